@@ -1,0 +1,37 @@
+# Set-up is two commands on a fresh machine: `make serve` and `make test`; both go through `make install`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The CPU build of torch: with no torch installed a plain `torch` requirement pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install system-deps serve test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) show torch >/dev/null 2>&1 || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: system-deps $(VENV)/.installed
+
+# redis-server backs the Redis tier's tests and the Redis column of bench/api.py.
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
+
+serve: install
+	$(VENV)/bin/kvstore serve --data-dir ./kvstore-data
+
+test: install
+	$(PY) -m pytest -q -ra
+
+bench: install
+	$(PY) bench/tiers.py
+	$(PY) bench/eviction.py ../shared/traces/mooncake_synthetic.jsonl
+
+clean:
+	rm -rf $(VENV) kvstore-data .pytest_cache
