@@ -1,0 +1,113 @@
+"""`generate`: one request through the decode loop, reusing a cached prefix when a store has it.
+
+    lookup -> fetch -> scatter into the paged cache -> prefill only the unmatched suffix
+    -> first token (TTFT) -> store the prompt's new pages -> decode -> store prompt + output
+
+The last prompt token is always computed, so even a fully cached prompt yields logits. The
+result says what was reused and what it cost. Without a backend this is a plain decode loop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from decode.attention import AttentionContext
+from decode.model import LlamaModel
+from decode.reuse import BackendWarning, PrefixReuse
+from decode.sampling import Sampler, SamplingParams
+from kvstore.backend import KVCacheBackend
+
+__all__ = ["GenerateResult", "generate", "BackendWarning"]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    tokens: list[int]  # generated tokens (the prompt not included)
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose KV came from the store
+    computed_tokens: int  # prompt tokens prefilled here; reused + computed = prompt_tokens
+    ttft_s: float  # request start -> first token, including lookup, fetch and prefill
+    tpot_s: float | None  # mean time per output token after the first; None with one token
+    fetch_s: float = 0.0  # part of ttft_s spent talking to the store and scattering its KV
+    stored_tokens: int = 0  # tokens of prompt + output the store holds after this request
+    tiers: dict[str, int] = field(default_factory=dict)  # tier -> matched tokens, from lookup
+    backend_error: str | None = None  # why the store could not be used, if it could not
+    logits: torch.Tensor | None = None  # (N, V) float32 per generated token, when asked for
+
+    def summary(self) -> str:
+        tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
+        return (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, computed {self.computed_tokens}, "
+                f"TTFT {self.ttft_s * 1e3:.1f} ms, TPOT {tpot}, generated {len(self.tokens)}")
+
+
+def _check_prompt(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    prompt = [int(t) for t in (prompt_tokens.tolist() if isinstance(prompt_tokens, torch.Tensor) else prompt_tokens)]
+    if not prompt:
+        raise ValueError("prompt_tokens: must not be empty")
+    bad = [t for t in prompt if not 0 <= t < model.arch.vocab_size]
+    if bad:
+        raise ValueError(f"prompt_tokens: ids must be in [0, {model.arch.vocab_size}), got {bad[0]}")
+    return prompt
+
+
+def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max_new_tokens: int,
+             backend: KVCacheBackend | None = None, *, sampling: SamplingParams = SamplingParams(),
+             stop_token_ids: Sequence[int] = (), tenant: str | None = None, timeout_s: float | None = 10.0,
+             min_reuse_tokens: int = 1, store: bool = True, return_logits: bool = False) -> GenerateResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_tokens`.
+
+    With a `backend`, the longest cached prefix of the prompt is fetched instead of computed
+    (if at least `min_reuse_tokens` long), and with `store=True` the prompt and the output are
+    stored for the next request. Each backend call is abandoned after `timeout_s`.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+    start_time = time.perf_counter()
+    prompt = _check_prompt(model, prompt_tokens)
+    n = len(prompt)
+    cache = model.new_cache(n + max_new_tokens)
+    table = cache.new_table()
+    cache.reserve(table, n + max_new_tokens)
+    reuse = PrefixReuse(model, backend, tenant=tenant, timeout_s=timeout_s) if backend is not None else None
+
+    hit = reuse.load_prefix(prompt, cache, table, min_reuse_tokens=min_reuse_tokens) if reuse else None
+    reused = hit.reused_tokens if hit else 0
+    fetch_s = time.perf_counter() - start_time
+
+    device = model.device
+    ids = torch.tensor(prompt[reused:], dtype=torch.long, device=device)  # (n - reused,)
+    positions = torch.arange(reused, n, device=device)  # (n - reused,)
+    logits = model(ids, positions, cache, AttentionContext.for_span(cache, table, reused, n), logits="last")
+    table.num_tokens = n
+    sampler = Sampler(sampling)
+    output = [sampler(logits)]
+    first_token_time = time.perf_counter()
+    kept = [logits] if return_logits else None
+
+    # Stored after the first token so it never delays it; the next turn's hit starts here.
+    stored = reuse.store(prompt, cache, table, known_tokens=reused) if reuse and store else reused
+    stops = set(stop_token_ids)
+    while len(output) < max_new_tokens and output[-1] not in stops:
+        pos = n + len(output) - 1  # position of the token being fed (the last one sampled)
+        logits = model(torch.tensor(output[-1:], device=device), torch.tensor([pos], device=device), cache,
+                       AttentionContext.for_span(cache, table, pos, pos + 1), logits="last")
+        table.num_tokens = pos + 1
+        output.append(sampler(logits))
+        if kept is not None:
+            kept.append(logits)
+    end_time = time.perf_counter()
+
+    if reuse and store and len(output) > 1:
+        # The last sampled token was never fed, so its KV does not exist: store up to the one before.
+        stored = reuse.store(prompt + output[:-1], cache, table, known_tokens=stored)
+    cache.release(table)
+    return GenerateResult(
+        tokens=output, prompt_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
+        ttft_s=first_token_time - start_time,
+        tpot_s=(end_time - first_token_time) / (len(output) - 1) if len(output) > 1 else None,
+        fetch_s=fetch_s, stored_tokens=stored, tiers=hit.tiers if hit else {},
+        backend_error=hit.error if hit else None,
+        logits=torch.stack(kept) if kept is not None else None)

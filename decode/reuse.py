@@ -1,0 +1,152 @@
+"""The decode loop's side of the store: register, look up, fetch into the paged cache, store back.
+
+Everything here degrades instead of failing: a backend that raises, times out, answers with KV
+of the wrong shape or refuses the model spec costs a full prefill and a `BackendWarning`, never
+a wrong token. A miss is not an error and warns nothing.
+
+Works with any `KVCacheBackend`: the in-process `KVStore` or the sidecar's `KVStoreClient`.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+
+from decode.model import LlamaModel
+from decode.paged_cache import BlockTable, PagedKVCache
+from kvstore.backend import KVCacheBackend
+
+T = TypeVar("T")
+
+
+class BackendWarning(RuntimeWarning):
+    """The store could not help this request; it was served by a full prefill instead."""
+
+
+class BackendTimeout(TimeoutError):
+    pass
+
+
+# Backends this process has already registered models with, so registration is not paid per request.
+_REGISTERED: "weakref.WeakKeyDictionary[Any, set[tuple]]" = weakref.WeakKeyDictionary()
+
+
+def call_with_timeout(fn: Callable[[], T], timeout_s: float | None) -> T:
+    """Run `fn`, giving up after `timeout_s` (None = wait forever).
+
+    The call runs on a daemon thread so a hung backend cannot hang the request; if it finishes
+    late its result is dropped (a late store is harmless, a late fetch is ignored).
+    """
+    if timeout_s is None:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True, name="kvstore-backend-call")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise BackendTimeout(f"backend call did not answer within {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@dataclass
+class PrefixHit:
+    reused_tokens: int = 0  # leading prompt tokens whose KV now sits in the paged cache
+    tiers: dict[str, int] = field(default_factory=dict)  # tier -> matched tokens, as lookup reported
+    error: str | None = None  # why the backend could not be used, if it could not
+
+
+class PrefixReuse:
+    """One request's conversation with the store, bound to a model, a backend and a tenant."""
+
+    def __init__(self, model: LlamaModel, backend: KVCacheBackend, *, tenant: str | None = None,
+                 timeout_s: float | None = 10.0):
+        self.model, self.backend, self.tenant, self.timeout_s = model, backend, tenant, timeout_s
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        return call_with_timeout(fn, self.timeout_s)
+
+    def _degrade(self, what: str, exc: BaseException) -> str:
+        message = f"kvstore {what} failed ({type(exc).__name__}: {exc}); continuing without it"
+        warnings.warn(message, BackendWarning, stacklevel=3)
+        return message
+
+    def register(self) -> str | None:
+        """Register the model's spec once per backend; returns an error message on failure."""
+        key = (self.model.name, self.model.spec, self.tenant)
+        try:
+            done = _REGISTERED.setdefault(self.backend, set())
+        except TypeError:  # not weak-referenceable: register every time
+            done = set()
+        if key in done:
+            return None
+        try:
+            self._call(lambda: self.backend.register_model(self.model.name, self.model.spec, tenant=self.tenant))
+        except Exception as exc:
+            return self._degrade("register_model", exc)
+        done.add(key)
+        return None
+
+    def load_prefix(self, prompt: Sequence[int], cache: PagedKVCache, table: BlockTable, *,
+                    min_reuse_tokens: int = 1) -> PrefixHit:
+        """lookup -> fetch -> scatter into `table`; at most len(prompt) - 1 tokens are reused so the
+        last prompt token is always computed and the first token has logits."""
+        error = self.register()
+        if error:
+            return PrefixHit(error=error)
+        query = list(prompt[:-1])
+        if len(query) < max(1, min_reuse_tokens):
+            return PrefixHit()
+        name, tenant = self.model.name, self.tenant
+        try:
+            found = self._call(lambda: self.backend.lookup(name, query, tenant=tenant))
+            if found.matched_tokens < max(1, min_reuse_tokens):
+                return PrefixHit(tiers=dict(found.tiers))
+            fetched = self._call(lambda: self.backend.fetch(name, query[:found.matched_tokens], tenant=tenant))
+            matched = fetched.matched_tokens
+            if matched < max(1, min_reuse_tokens):
+                return PrefixHit(tiers=dict(found.tiers))  # evicted between lookup and fetch
+            kv = self._check_kv(fetched.kv, matched, len(query))
+        except Exception as exc:
+            return PrefixHit(error=self._degrade("lookup/fetch", exc))
+        cache.scatter(table, kv, start=0)
+        return PrefixHit(reused_tokens=matched, tiers=dict(found.tiers))
+
+    def _check_kv(self, kv: Any, matched: int, limit: int) -> torch.Tensor:
+        # Trust nothing from across a process boundary: a wrong shape or dtype means a wrong answer.
+        if not 0 < matched <= limit:
+            raise ValueError(f"fetch matched {matched} tokens of a {limit}-token query")
+        kv = torch.as_tensor(kv)
+        expected = self.model.spec.kv_shape(matched)
+        if tuple(kv.shape) != expected or kv.dtype != self.model.dtype:
+            raise ValueError(f"fetched kv is {tuple(kv.shape)} {kv.dtype}, expected {expected} {self.model.dtype}")
+        return kv
+
+    def store(self, tokens: Sequence[int], cache: PagedKVCache, table: BlockTable, *, known_tokens: int = 0) -> int:
+        """Store the KV of `tokens` (all in `table`); the first `known_tokens` are already in the store,
+        so only pages from the one holding token `known_tokens` on are sent. Returns the tokens the
+        store now holds of `tokens` (`known_tokens` on failure)."""
+        page = self.model.spec.page_size
+        start = min(known_tokens, len(tokens)) // page * page  # pages are stored whole: start on a boundary
+        if start >= len(tokens):
+            return known_tokens
+        kv = cache.gather(table, start, len(tokens))  # (L, 2, T - start, H, D)
+        seq = list(tokens)
+        try:
+            result = self._call(lambda: self.backend.store(self.model.name, seq, kv, start=start, tenant=self.tenant))
+        except Exception as exc:
+            self._degrade("store", exc)
+            return known_tokens
+        return max(known_tokens, min(result.stored_tokens, len(tokens)))
