@@ -26,7 +26,7 @@ class PageRecord:
     namespace: bytes
     key: bytes
     parent: bytes  # parent page key; the namespace for a first page; b"" for a chunk
-    tokens: tuple[int, ...]
+    tokens: bytes  # int32 little-endian token ids of this page
     codec: str
     dtype: str
     shape: tuple[int, ...]  # (L, 2, n, H, D) of the decoded KV
@@ -35,7 +35,7 @@ class PageRecord:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.tokens) // 4
 
 
 class SlotTier(Protocol):

@@ -1,0 +1,168 @@
+"""The page tree: which pages exist, how they chain, and token-granular prefix matching.
+
+Pages are stored at page granularity but matched at token granularity (DESIGN §3): full pages
+are found by their chained key, one dict lookup each (vLLM's block hash), and at the first page
+that does not match, the children of the last matched node are compared token by token, so the
+longest shared run is reused even when it ends inside a page (SGLang's radix precision).
+
+Invariants (asserted where they are cheap):
+- every node but a root has a parent in the tree, and the parent is a *full* page: tail pages
+  (fewer than `page_size` tokens) are always leaves;
+- `node.key == page_key(parent.key, node.tokens)`; a node's tokens are compared on every match,
+  so a hash collision is a miss, never wrong KV;
+- a node is in the tree only while some tier holds it or it is being written (`ready` False);
+  placement removes a node's whole subtree when its last copy goes, since a page whose parent
+  is gone can never be matched again.
+
+Roots are virtual, one per namespace (a model's namespace, or a chunk's namespace for
+CacheBlend), hold no page and are never evicted. This module imports no torch, lmdb or aiohttp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os.path import commonprefix
+
+from kvstore.keys import page_key
+
+TOKEN_BYTES = 4  # tokens are kept as int32 little-endian bytes
+
+
+class Node:
+    __slots__ = ("key", "parent", "tokens", "children", "by_first", "tiers", "tier_kids", "pins",
+                 "ready", "last_access", "hits", "namespace", "depth", "__weakref__")
+
+    def __init__(self, key: bytes, parent: "Node | None", tokens: bytes, namespace: bytes):
+        self.key = key
+        self.parent = parent
+        self.tokens = tokens  # int32 LE bytes of this page's tokens
+        self.children: dict[bytes, Node] = {}
+        self.by_first: dict[bytes, list[Node]] = {}  # first token (4 bytes) -> children
+        self.tiers: dict[str, int] = {}  # tier name -> bytes this page takes there
+        self.tier_kids: dict[str, int] = {}  # tier name -> children held in that tier
+        self.pins = 0  # > 0: a fetch or store is using the page; it is never evicted
+        self.ready = True  # False while its first copy is being written
+        self.last_access = 0  # logical clock, set by the store's clock
+        self.hits = 0  # times served by a fetch (policies use it for frequency)
+        self.namespace = namespace
+        self.depth = 0 if parent is None else parent.depth + 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"Node({self.key.hex()[:8]}, tokens={self.num_tokens}, depth={self.depth}, tiers={list(self.tiers)})"
+
+
+@dataclass
+class Match:
+    """The result of matching tokens against the tree.
+
+    `path` is the chain of pages from the first page on; every page in it is used in full except
+    possibly the last, of which `matched_tokens - (tokens before it)` are used.
+    """
+
+    root: Node | None  # None: the namespace holds no pages
+    path: list[Node]
+    matched_tokens: int
+
+
+
+class PageIndex:
+    """All pages of all namespaces: a dict by key plus the tree links."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[bytes, Node] = {}
+        self.roots: dict[bytes, Node] = {}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def root(self, root_key: bytes, namespace: bytes | None = None) -> Node:
+        """The root of a tree: a model namespace's own, or a chunk's (`root_key` = chunk key)
+        owned by the model namespace `namespace`."""
+        node = self.roots.get(root_key)
+        if node is None:
+            node = self.roots[root_key] = Node(root_key, None, b"", namespace or root_key)
+        return node
+
+    def get(self, key: bytes) -> Node | None:
+        return self.nodes.get(key)
+
+    def match(self, namespace: bytes, tokens: bytes, page_size: int) -> Match:
+        """Longest cached prefix of `tokens` (int32 LE bytes), at token granularity."""
+        root = self.roots.get(namespace)
+        if root is None:
+            return Match(None, [], 0)
+        page_bytes = page_size * TOKEN_BYTES
+        path: list[Node] = []
+        node = root
+        offset = 0  # bytes of `tokens` matched so far
+        total = len(tokens)
+        # Full pages: one hash and one dict lookup each.
+        while total - offset >= page_bytes:
+            page = tokens[offset:offset + page_bytes]
+            child = self.nodes.get(page_key(node.key, page))
+            if child is None or not child.ready or child.parent is not node or child.tokens != page:
+                break
+            path.append(child)
+            node = child
+            offset += page_bytes
+        # The first page that did not match: reuse the longest common run with any child
+        # (a tail page, or a full page that diverges or is longer than what is left).
+        if offset < total and node.by_first:
+            rest = tokens[offset:offset + page_bytes]
+            best, best_len = None, 0
+            for child in node.by_first.get(rest[:TOKEN_BYTES], ()):
+                if not child.ready:
+                    continue
+                common = len(commonprefix([child.tokens, rest])) // TOKEN_BYTES * TOKEN_BYTES
+                if common > best_len:
+                    best, best_len = child, common
+            if best is not None:
+                path.append(best)
+                offset += best_len
+        return Match(root, path, offset // TOKEN_BYTES)
+
+    def insert(self, parent: Node, key: bytes, tokens: bytes) -> Node:
+        """Add a page under `parent` (not yet ready: the caller marks it ready once written)."""
+        assert key not in self.nodes, "insert of an existing key"
+        assert parent.is_root or parent.num_tokens > 0, "a page's parent is a page or a root"
+        node = Node(key, parent, tokens, parent.namespace)
+        node.ready = False
+        self.nodes[key] = node
+        parent.children[key] = node
+        parent.by_first.setdefault(tokens[:TOKEN_BYTES], []).append(node)
+        return node
+
+    def unlink(self, node: Node) -> None:
+        """Remove one page (which must have no children left) from the tree."""
+        assert not node.children, "unlink of a page that still has children"
+        assert not node.tiers, "unlink of a page still held by a tier"
+        del self.nodes[node.key]
+        parent = node.parent
+        if parent is not None:
+            del parent.children[node.key]
+            siblings = parent.by_first[node.tokens[:TOKEN_BYTES]]
+            siblings.remove(node)
+            if not siblings:
+                del parent.by_first[node.tokens[:TOKEN_BYTES]]
+            if parent.is_root and not parent.children:
+                self.roots.pop(parent.key, None)
+
+    def subtree(self, node: Node) -> list[Node]:
+        """`node` and all its descendants, children before parents (safe order to unlink)."""
+        out: list[Node] = []
+        stack = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if expanded or not current.children:
+                out.append(current)
+            else:
+                stack.append((current, True))
+                stack.extend((child, False) for child in current.children.values())
+        return out

@@ -1,0 +1,181 @@
+"""Placement: which tier holds which page, byte accounting, eviction and demotion.
+
+This is the one place where pages move between tiers (DESIGN §4, style rule 4). It decides;
+the store's `TierMover` does the byte copies. It is payload-free, so the eviction benchmark
+replays real traces through exactly this code with a mover that copies nothing.
+
+- `make_room(tier, nbytes)` evicts victims chosen by the tier's policy until `nbytes` fit. A
+  victim is demoted (write-back) to the next tier down that can take it; the bottom tier, or a
+  tier below which nothing can take it, drops it.
+- A page whose last copy is dropped takes its whole subtree with it: a page whose parent is
+  gone can never be matched again (index invariant).
+- Pinned pages are never chosen (policies skip them).
+
+Not thread-safe: the store calls it under its lock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from kvstore.index import Node, PageIndex
+from kvstore.policies import POLICIES, EvictionPolicy
+
+
+class TierMover(Protocol):
+    def copy_down(self, node: Node, src: str, dst: str) -> bool:
+        """Copy the page from tier `src` to `dst` (room is already made). False: could not."""
+
+    def release(self, node: Node, tier: str) -> None:
+        """Free the page's bytes in `tier`."""
+
+
+class NullMover:
+    """Moves nothing: for payload-free replays."""
+
+    def copy_down(self, node: Node, src: str, dst: str) -> bool:
+        return True
+
+    def release(self, node: Node, tier: str) -> None:
+        pass
+
+
+@dataclass
+class TierUsage:
+    name: str
+    capacity_bytes: int
+    used_bytes: int = 0
+    pages: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0  # pages that left this tier to make room
+    demotions: int = 0  # of those, pages copied to a lower tier
+    promotions: int = 0  # pages copied into this tier from a lower one on a hit
+    extra: dict = field(default_factory=dict)
+
+
+class Placement:
+    def __init__(self, index: PageIndex, tiers: list[tuple[str, int]], policy: str,
+                 mover: TierMover | None = None,
+                 size_in: Callable[[Node, str], int] | None = None):
+        self.index = index
+        self.order = [name for name, _ in tiers]  # top first
+        self.usage = {name: TierUsage(name, capacity) for name, capacity in tiers}
+        self.policies: dict[str, EvictionPolicy] = {name: POLICIES[policy](name) for name in self.order}
+        self.mover = mover or NullMover()
+        # Bytes a page takes in a tier (codecs differ per tier); payload-free replays use 1.
+        self.size_in = size_in or (lambda node, tier: 1)
+        self.dropped_pages = 0  # pages that left every tier
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def add(self, node: Node, tier: str, nbytes: int) -> None:
+        assert tier not in node.tiers, f"{node} already in {tier}"
+        node.tiers[tier] = nbytes
+        usage = self.usage[tier]
+        usage.used_bytes += nbytes
+        usage.pages += 1
+        parent = node.parent
+        if parent is not None and not parent.is_root:
+            parent.tier_kids[tier] = parent.tier_kids.get(tier, 0) + 1
+        self.policies[tier].insert(node)
+
+    def _discard(self, node: Node, tier: str) -> None:
+        nbytes = node.tiers.pop(tier)
+        usage = self.usage[tier]
+        usage.used_bytes -= nbytes
+        usage.pages -= 1
+        self.policies[tier].remove(node)
+        self.mover.release(node, tier)
+        parent = node.parent
+        if parent is not None and not parent.is_root:
+            left = parent.tier_kids[tier] - 1
+            parent.tier_kids[tier] = left
+            if left == 0:
+                self.policies[tier].update(parent)  # it may have become an evictable leaf
+
+    def touch(self, node: Node, clock: int) -> None:
+        node.last_access = clock
+        for tier in node.tiers:
+            self.policies[tier].touch(node)
+
+    def pin(self, node: Node) -> None:
+        node.pins += 1
+
+    def unpin(self, node: Node) -> None:
+        assert node.pins > 0, "unpin without pin"
+        node.pins -= 1
+        if node.pins == 0:
+            if not node.tiers:
+                self.drop(node)  # its last copy went bad while it was in use (remove_from)
+                return
+            for tier in node.tiers:
+                self.policies[tier].update(node)
+
+    def fits(self, tier: str, nbytes: int) -> bool:
+        usage = self.usage[tier]
+        return usage.used_bytes + nbytes <= usage.capacity_bytes
+
+    def lower_tiers(self, tier: str) -> list[str]:
+        return self.order[self.order.index(tier) + 1:]
+
+    # -- eviction ----------------------------------------------------------------------------
+    def make_room(self, tier: str, nbytes: int) -> bool:
+        """Evict from `tier` until `nbytes` more fit. False if that is impossible (pins)."""
+        if nbytes > self.usage[tier].capacity_bytes:
+            return False
+        while not self.fits(tier, nbytes):
+            if not self.evict_one(tier):
+                return False
+        return True
+
+    def evict_one(self, tier: str) -> bool:
+        victim = self.policies[tier].victim()
+        if victim is None:
+            return False
+        self.evict(victim, tier)
+        return True
+
+    def evict(self, node: Node, tier: str) -> None:
+        """Move `node` out of `tier`: demote it to the first lower tier that can take it, else
+        drop it (and, with its last copy, its subtree)."""
+        self.usage[tier].evictions += 1
+        for lower in self.lower_tiers(tier):
+            if lower in node.tiers:
+                break  # already held below (write-through): leaving this tier loses nothing
+            node.pins += 1  # making room below must not pick the page being demoted
+            try:
+                room = self.make_room(lower, self.size_in(node, lower))
+            finally:
+                node.pins -= 1
+            if room and self.mover.copy_down(node, tier, lower):
+                self.add(node, lower, self.size_in(node, lower))
+                self.usage[tier].demotions += 1
+                break
+        self._discard(node, tier)
+        if not node.tiers:
+            self.drop(node)
+
+    def drop(self, node: Node) -> int:
+        """Remove `node` and its subtree from every tier and from the tree. Pages dropped.
+
+        Only unpinned pages are dropped: pins are taken along whole paths (a fetch or store pins
+        every page from the first one on), so an unpinned page has no pinned descendant."""
+        assert node.pins == 0, f"drop of pinned {node}"
+        removed = 0
+        for page in self.index.subtree(node):
+            for tier in list(page.tiers):
+                self._discard(page, tier)
+            self.index.unlink(page)
+            removed += 1
+        self.dropped_pages += removed
+        return removed
+
+    def remove_from(self, node: Node, tier: str) -> None:
+        """Forget a copy the tier lost on its own (a corrupt record, a failed write)."""
+        if tier in node.tiers:
+            self._discard(node, tier)
+            if not node.tiers:
+                if node.pins:
+                    node.ready = False  # unmatchable now; the last unpin drops it
+                else:
+                    self.drop(node)

@@ -1,0 +1,609 @@
+"""KVStore: the in-process store, and the orchestrator of tiers.
+
+It owns the page tree (`PageIndex`), the model registry and `Placement` (which decides where
+pages live); the tiers only hold bytes. One lock guards the tree and placement; the big copies
+(encoding a page into a slot, decoding one out) run outside it on pinned pages, so threads copy
+in parallel and a pinned page's bytes cannot be reused under them.
+
+    store  -> validate everything -> plan new pages under the lock (pin, reserve slots)
+           -> encode KV into the slots outside the lock -> mark ready, unpin, write through
+    fetch  -> match and pin under the lock -> decode pages into one output tensor outside it
+           -> promote lower-tier hits to the top tier, unpin
+
+Placement of a new page: the top configured tier (gpu, else cpu, else disk) that can make room.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
+from kvstore.config import DTYPE_BYTES, ModelSpec, StoreConfig
+from kvstore.errors import InsufficientStorage, InvalidModelSpec
+from kvstore.index import TOKEN_BYTES, Node, PageIndex
+from kvstore.keys import chunk_key, page_key
+from kvstore.placement import Placement
+from kvstore.registry import Model, ModelRegistry
+from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
+from kvstore.validation import check_device, check_kv, check_model_name, check_start, token_bytes
+from tiers.base import PageRecord, TierFull
+from tiers.cpu import CPUTier
+from tiers.disk_cost import disk_record_cost
+
+log = logging.getLogger("kvstore.store")
+
+DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records
+MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
+
+
+class KVStore:
+    """The store API of DESIGN §7.1. Thread-safe; use as a context manager or call `close()`."""
+
+    def __init__(self, config: StoreConfig | None = None):
+        self.config = config = config or StoreConfig()
+        self._lock = threading.RLock()
+        self._index = PageIndex()
+        self._registry = ModelRegistry(config.data_dir if config.disk_bytes else None)
+        self._slot_tiers: dict[str, Any] = {}
+        self._record_tiers: dict[str, Any] = {}
+        self._codecs: dict[str, Codec] = {}
+        capacities: list[tuple[str, int]] = []
+        if config.gpu_bytes:
+            from tiers.gpu import GPUTier  # raises a clear error without a usable GPU
+
+            self._slot_tiers["gpu"] = GPUTier(config.gpu_bytes)
+            self._codecs["gpu"] = get_codec("none")
+            capacities.append(("gpu", config.gpu_bytes))
+        if config.cpu_bytes:
+            self._slot_tiers["cpu"] = CPUTier(config.cpu_bytes)
+            self._codecs["cpu"] = get_codec(config.cpu_codec)
+            capacities.append(("cpu", config.cpu_bytes))
+        if config.disk_bytes:
+            from tiers.disk import DiskTier
+
+            self._record_tiers["disk"] = DiskTier(
+                os.path.join(config.data_dir, "pages"), config.disk_bytes,  # type: ignore[arg-type]
+                compression=config.disk_compression, zstd_level=config.zstd_level,
+                sync=config.durability == "write-through", queue_pages=config.disk_writer_queue)
+            self._codecs["disk"] = get_codec(config.disk_codec)
+            capacities.append(("disk", int(config.disk_bytes * DISK_FILL_FRACTION)))
+        if config.redis_url:
+            from tiers.redis import RedisTier
+
+            self._record_tiers["redis"] = RedisTier(config)
+            self._codecs["redis"] = get_codec(config.disk_codec)
+            capacities.append(("redis", 1 << 62))  # Redis' own maxmemory policy bounds it
+        self._placement = Placement(self._index, capacities, config.policy, mover=self, size_in=self._size_in)
+        self._top = capacities[0][0]
+        self._clock = 0
+        self._counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
+                          "fetched_tokens": 0, "stored_pages": 0, "requested_tokens": 0}
+        self._closed = False
+        if "disk" in self._record_tiers:
+            self._rebuild_from_disk()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Write memory-only pages to disk, flush the disk writer and close every tier.
+        Idempotent. (A crash, unlike close, loses what write-back had not yet demoted.)"""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if "disk" in self._record_tiers:
+                self._save_memory_pages()
+            for tier in list(self._record_tiers.values()) + list(self._slot_tiers.values()):
+                tier.close()
+
+    def _save_memory_pages(self) -> None:
+        """Copy pages held only in memory tiers down to disk, parents first, while room lasts."""
+        saved = 0
+        for node in sorted(self._index.nodes.values(), key=lambda n: n.depth):
+            if "disk" in node.tiers or not node.ready:
+                continue
+            if node.parent is not None and not node.parent.is_root and "disk" not in node.parent.tiers:
+                continue  # its parent did not make it: the page could not be matched after restart
+            nbytes = self._size_in(node, "disk")
+            if not self._placement.fits("disk", nbytes):
+                continue  # closing must not evict older disk pages for newer memory ones
+            if self.copy_down(node, self._source_tier(node), "disk"):
+                self._placement.add(node, "disk", nbytes)
+                saved += 1
+        if saved:
+            log.info("close: %d memory-only pages written to disk", saved)
+
+    # -- models ----------------------------------------------------------------------------
+    def register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> ModelSpec:
+        """Register `model` with `spec`; idempotent. A different spec raises ModelConflict."""
+        check_model_name(model)
+        if not isinstance(spec, ModelSpec):
+            raise InvalidModelSpec(f"spec: expected a ModelSpec, got {type(spec).__name__}", field="spec")
+        with self._lock:
+            self._registry.register(model, spec, tenant)
+        return spec
+
+    def register_model_created(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:
+        """Like register_model; True when this call created the registration (HTTP 201)."""
+        check_model_name(model)
+        with self._lock:
+            return self._registry.register(model, spec, tenant)[1]
+
+    def get_spec(self, model: str, *, tenant: str | None = None) -> ModelSpec:
+        with self._lock:
+            return self._registry.get(check_model_name(model), tenant).spec
+
+    def drop_model(self, model: str, *, tenant: str | None = None) -> int:
+        """Forget the model and drop its pages (prefix and chunk pages) from every tier."""
+        with self._lock:
+            entry = self._registry.remove(check_model_name(model), tenant)
+            dropped = 0
+            for root in [r for r in self._index.roots.values() if r.namespace == entry.namespace]:
+                for child in list(root.children.values()):
+                    if not self._pinned_below(child):
+                        dropped += self._placement.drop(child)
+            return dropped
+
+    def _pinned_below(self, node: Node) -> bool:
+        return any(page.pins for page in self._index.subtree(node))
+
+    def _model(self, model: str, tenant: str | None) -> Model:
+        return self._registry.get(check_model_name(model), tenant)
+
+    # -- lookup ----------------------------------------------------------------------------
+    def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None) -> LookupResult:
+        """How many leading tokens the store holds, and which tier would serve them."""
+        with self._lock:
+            entry = self._model(model, tenant)
+            tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+            self._drain_lost_copies()
+            match = self._index.match(entry.namespace, tb, entry.spec.page_size)
+            tiers: dict[str, int] = {}
+            done = 0
+            for node in match.path:
+                used = min(node.num_tokens, match.matched_tokens - done)
+                tier = self._source_tier(node)
+                tiers[tier] = tiers.get(tier, 0) + used
+                done += used
+            self._counters["lookups"] += 1
+            self._counters["lookup_hit_tokens"] += match.matched_tokens
+            return LookupResult(match.matched_tokens, tiers)
+
+    # -- fetch -----------------------------------------------------------------------------
+    def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
+              device: str = "cpu") -> FetchResult:
+        """KV of the longest cached prefix: `kv` covers tokens[start:matched_tokens]."""
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        start = check_start(start, len(tb) // TOKEN_BYTES)
+        dev = check_device(device)
+        return self._fetch(entry.namespace, entry.spec, tb, start, dev)
+
+    def _fetch(self, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
+               *, count: bool = True) -> FetchResult:
+        with self._lock:
+            self._drain_lost_copies()
+            match = self._index.match(root_key, tb, spec.page_size)
+            if count:
+                self._counters["fetches"] += 1
+                self._counters["requested_tokens"] += len(tb) // TOKEN_BYTES
+            self._count_misses(match.path, len(tb) // TOKEN_BYTES > match.matched_tokens)
+            if match.matched_tokens <= start:
+                return FetchResult(match.matched_tokens, self._empty_kv(spec, dev))
+            self._clock += 1
+            reads = []  # (node, first token, tokens used, tier, slot view or None)
+            offset = 0
+            for node in match.path:
+                used = min(node.num_tokens, match.matched_tokens - offset)
+                self._placement.pin(node)
+                self._placement.touch(node, self._clock)
+                tier = self._source_tier(node)
+                if offset + used > start:
+                    self._placement.usage[tier].hits += 1
+                    node.hits += 1
+                    slot = self._slot_tiers[tier].get(node.key) if tier in self._slot_tiers else None
+                    reads.append((node, offset, used, tier, slot))
+                offset += used
+        out = torch.empty(spec.kv_shape(match.matched_tokens - start), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, T, H, D)
+        matched = match.matched_tokens
+        promote: list[tuple[Node, torch.Tensor]] = []
+        try:
+            for node, first, used, tier, slot in reads:
+                lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page
+                page = self._read_page(spec, node, tier, slot, whole=(lo == first and used == node.num_tokens),
+                                       out=out[:, :, lo - start:first + used - start])
+                if page is None:  # the copy went bad (corrupt record): serve what came before it
+                    matched = first
+                    break
+                if page is not True:
+                    out[:, :, lo - start:first + used - start].copy_(page[:, :, lo - first:used])
+                if tier != self._top and self.config.promote_on_hit and lo == first:
+                    promote.append((node, out[:, :, lo - start:first + used - start] if page is True else page))
+        finally:
+            with self._lock:
+                for node, kv in promote:
+                    self._promote(spec, node, kv)
+                for node in match.path:
+                    self._placement.unpin(node)
+                self._drain_lost_copies()
+        if count:
+            self._counters["fetched_tokens"] += max(0, matched - start)
+        if matched <= start:
+            return FetchResult(matched, self._empty_kv(spec, dev))
+        return FetchResult(matched, out[:, :, :matched - start])
+
+    def _read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
+                   whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:
+        """Decode one page. True: decoded straight into `out`; a tensor: the whole page
+        (L, 2, n, H, D) for the caller to slice; None: the page is gone (a miss from here)."""
+        codec = self._codecs[tier]
+        n = node.num_tokens
+        if slot is not None:
+            data = slot[:codec.encoded_bytes(spec, n)]
+        else:
+            record = self._record_tiers[tier].get(node.key)
+            if record is None or record.codec != codec.name or record.shape != spec.kv_shape(n):
+                return None
+            data = _byte_tensor(record.payload)
+        if whole:
+            codec.decode(spec, data, n, out)
+            return True
+        page = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype], device=out.device)  # (L, 2, n, H, D)
+        codec.decode(spec, data, n, page)
+        return page
+
+    def _promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> None:
+        """Copy a page served by a lower tier into the top tier (under the lock)."""
+        top = self._top
+        if top in node.tiers or top not in self._slot_tiers or not node.ready:
+            return
+        nbytes = self._size_in(node, top)
+        if not self._placement.make_room(top, nbytes):
+            return
+        slot = self._allocate(top, node.key, nbytes)
+        if slot is None:
+            return
+        self._codecs[top].encode(spec, kv, slot[:self._codecs[top].encoded_bytes(spec, node.num_tokens)])
+        self._placement.add(node, top, nbytes)
+        self._placement.usage[top].promotions += 1
+
+    # -- store -----------------------------------------------------------------------------
+    def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
+              tenant: str | None = None) -> StoreResult:
+        """Store KV for tokens[start:] (the store must already hold tokens[:start])."""
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        n_tokens = len(tb) // TOKEN_BYTES
+        start = check_start(start, n_tokens)
+        kv = check_kv(kv, entry.spec, n_tokens - start)
+        self._counters["stores"] += 1
+        return self._store(entry.namespace, entry.namespace, entry.spec, tb, kv, start)
+
+    def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None) -> StoreResult:
+        """Store a chunk's KV computed standalone at positions 0..n-1 (CacheBlend), under its
+        position-independent chunk key: the chunk is a prefix tree of its own."""
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        kv = check_kv(kv, entry.spec, len(tb) // TOKEN_BYTES)
+        self._counters["stores"] += 1
+        return self._store(chunk_key(entry.namespace, tb), entry.namespace, entry.spec, tb, kv, 0)
+
+    def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
+              tenant: str | None = None) -> BlendResult:
+        raise NotImplementedError("blend arrives with the CacheBlend issue")
+
+    def _store(self, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes, kv: torch.Tensor,
+               start: int) -> StoreResult:
+        P = spec.page_size
+        n_tokens = len(tb) // TOKEN_BYTES
+        page_start = start // P * P
+        if page_start < start:
+            # The page holding `start` is partly cached already: take those tokens' KV from the
+            # store, so every stored page is whole.
+            head = self._fetch(root_key, spec, tb[:start * TOKEN_BYTES], page_start, kv.device, count=False)
+            if head.matched_tokens < start:
+                return StoreResult(head.matched_tokens, 0)
+            kv = torch.cat([head.kv.to(kv.device), kv], dim=2)
+            start = page_start
+        writes: list[tuple[Node, str, torch.Tensor | None, int, int]] = []
+        path: list[Node] = []
+        stored_tokens = 0
+        with self._lock:
+            self._drain_lost_copies()
+            self._clock += 1
+            parent = self._index.root(root_key, namespace)
+            for s in range(0, n_tokens, P):
+                e = min(s + P, n_tokens)
+                ptoks = tb[s * TOKEN_BYTES:e * TOKEN_BYTES]
+                key = page_key(parent.key, ptoks)
+                node = self._index.get(key) or (self._covering_sibling(parent, ptoks) if e - s < P else None)
+                if node is not None:
+                    if node.parent is not parent or not node.tokens.startswith(ptoks) or not (node.ready or node.pins):
+                        break  # a key collision or a page on its way out: stop here, store nothing wrong
+                    self._placement.pin(node)
+                    self._placement.touch(node, self._clock)
+                    path.append(node)
+                    parent = node
+                    stored_tokens = e
+                    continue
+                if s < start:
+                    break  # the caller's prefix is no longer cached: nothing after it can chain
+                tier, nbytes, slot = self._reserve(spec, key, e - s)
+                if tier is None:
+                    break
+                node = self._index.insert(parent, key, ptoks)
+                self._placement.pin(node)
+                self._placement.touch(node, self._clock)
+                self._placement.add(node, tier, nbytes)
+                path.append(node)
+                writes.append((node, tier, slot, s, e))
+                parent = node
+                stored_tokens = e
+            if not path and n_tokens > start:
+                raise InsufficientStorage("store: no tier has room for a page (every page is pinned)")
+        durable: list[threading.Event] = []
+        ok = False
+        try:
+            for node, tier, slot, s, e in writes:
+                page_kv = kv[:, :, s - start:e - start]  # (L, 2, n, H, D)
+                if slot is not None:
+                    self._codecs[tier].encode(spec, page_kv, slot[:self._codecs[tier].encoded_bytes(spec, e - s)])
+                else:
+                    durable.append(self._record_tiers[tier].put(self._record(spec, node, tier, kv=page_kv)))
+            ok = True
+        finally:
+            with self._lock:
+                for node, tier, slot, s, e in writes:
+                    if ok:
+                        node.ready = True
+                        self._drop_shadowed_tails(node)
+                        if self.config.durability == "write-through" and tier != "disk":
+                            event = self._write_through(spec, node, kv[:, :, s - start:e - start])
+                            if event is not None:
+                                durable.append(event)
+                    else:
+                        self._placement.remove_from(node, tier)
+                for node in path:
+                    self._placement.unpin(node)
+                self._counters["stored_pages"] += len(writes) if ok else 0
+        for event in durable:
+            event.wait()
+        return StoreResult(stored_tokens, len(writes))
+
+    def _covering_sibling(self, parent: Node, ptoks: bytes) -> Node | None:
+        """A cached sibling whose tokens start with this tail page's: it already serves them."""
+        for sibling in parent.by_first.get(ptoks[:TOKEN_BYTES], ()):
+            if sibling.ready and len(sibling.tokens) > len(ptoks) and sibling.tokens.startswith(ptoks):
+                return sibling
+        return None
+
+    def _drop_shadowed_tails(self, node: Node) -> None:
+        """A new page makes shorter sibling tail pages it extends redundant: drop them."""
+        parent = node.parent
+        assert parent is not None
+        for sibling in list(parent.by_first.get(node.tokens[:TOKEN_BYTES], ())):
+            if sibling is not node and len(sibling.tokens) < len(node.tokens) and not sibling.pins \
+                    and not sibling.children and node.tokens.startswith(sibling.tokens):
+                self._placement.drop(sibling)
+
+    def _reserve(self, spec: ModelSpec, key: bytes, n: int) -> tuple[str | None, int, torch.Tensor | None]:
+        """Room for a new page in the top tier that has it: (tier, bytes, slot or None)."""
+        for tier in self._placement.order:
+            probe = _SizeProbe(spec, n)
+            nbytes = self._size_for(probe, tier)
+            if not self._placement.make_room(tier, nbytes):
+                continue
+            if tier in self._slot_tiers:
+                slot = self._allocate(tier, key, nbytes)
+                if slot is None:
+                    continue
+                return tier, nbytes, slot
+            return tier, nbytes, None
+        return None, 0, None
+
+    def _allocate(self, tier: str, key: bytes, nbytes: int) -> torch.Tensor | None:
+        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes."""
+        while True:
+            try:
+                return self._slot_tiers[tier].allocate(key, nbytes)
+            except TierFull:
+                if not self._placement.evict_one(tier):
+                    return None
+
+    def _write_through(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> threading.Event | None:
+        if "disk" in node.tiers:
+            return None
+        nbytes = self._size_in(node, "disk")
+        if not self._placement.make_room("disk", nbytes):
+            return None
+        event = self._record_tiers["disk"].put(self._record(spec, node, "disk", kv=kv))
+        self._placement.add(node, "disk", nbytes)
+        return event
+
+    def _record(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
+                payload: torch.Tensor | None = None) -> PageRecord:
+        """A record of `node` for a record tier, from its KV (encoded here) or its encoded bytes."""
+        codec = self._codecs[tier]
+        n = node.num_tokens
+        if payload is None:
+            assert kv is not None
+            payload = torch.empty(codec.encoded_bytes(spec, n), dtype=torch.uint8)
+            codec.encode(spec, kv, payload)
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        return PageRecord(namespace=node.namespace, key=node.key, parent=node.parent.key,  # type: ignore[union-attr]
+                          tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
+                          payload=payload, kind="page" if root.key == node.namespace else "chunk")
+
+    # -- TierMover (called by Placement under the lock) ------------------------------------
+    def copy_down(self, node: Node, src: str, dst: str) -> bool:
+        spec = self._registry.specs_by_namespace.get(node.namespace)
+        if spec is None:
+            return False
+        n = node.num_tokens
+        if src in self._slot_tiers:
+            data = self._slot_tiers[src].get(node.key)[:self._codecs[src].encoded_bytes(spec, n)]
+        else:
+            record = self._record_tiers[src].get(node.key)
+            if record is None:
+                return False
+            data = _byte_tensor(record.payload)
+        if self._codecs[src].name == self._codecs[dst].name and dst in self._record_tiers:
+            # Same encoding below: hand the bytes down as they are (one copy, no re-encode).
+            self._record_tiers[dst].put(self._record(spec, node, dst, payload=data.clone()))
+            return True
+        kv = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype])  # (L, 2, n, H, D)
+        self._codecs[src].decode(spec, data.cpu(), n, kv)
+        if dst in self._record_tiers:
+            self._record_tiers[dst].put(self._record(spec, node, dst, kv=kv))
+            return True
+        slot = self._allocate(dst, node.key, self._size_in(node, dst))
+        if slot is None:
+            return False
+        self._codecs[dst].encode(spec, kv, slot[:self._codecs[dst].encoded_bytes(spec, n)])
+        return True
+
+    def release(self, node: Node, tier: str) -> None:
+        if tier in self._slot_tiers:
+            self._slot_tiers[tier].delete(node.key)
+        else:
+            self._record_tiers[tier].delete(node.key)
+
+    # -- sizes -----------------------------------------------------------------------------
+    def _size_in(self, node: Node, tier: str) -> int:
+        spec = self._registry.specs_by_namespace[node.namespace]
+        return self._size_for(_SizeProbe(spec, node.num_tokens), tier)
+
+    def _size_for(self, probe: "_SizeProbe", tier: str) -> int:
+        codec = self._codecs[tier]
+        if tier in self._slot_tiers:
+            # Slots are sized for a full page, so tail pages and full pages share slots.
+            return CPUTier.slot_bytes(codec.encoded_bytes(probe.spec, probe.spec.page_size))
+        return disk_record_cost(codec.encoded_bytes(probe.spec, probe.num_tokens), probe.num_tokens)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _source_tier(self, node: Node) -> str:
+        for tier in self._placement.order:
+            if tier in node.tiers:
+                return tier
+        raise AssertionError(f"{node} is in the tree but in no tier")
+
+    def _count_misses(self, path: list[Node], missed: bool) -> None:
+        """Each tier above the one that served a page counts a miss; a page no tier holds is a
+        miss everywhere (tiers are consulted top down)."""
+        for node in path:
+            for tier in self._placement.order:
+                if tier in node.tiers:
+                    break
+                self._placement.usage[tier].misses += 1
+        if missed:
+            for tier in self._placement.order:
+                self._placement.usage[tier].misses += 1
+
+    def _empty_kv(self, spec: ModelSpec, dev: torch.device) -> torch.Tensor:
+        return torch.empty(spec.kv_shape(0), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, 0, H, D)
+
+    def _drain_lost_copies(self) -> None:
+        """Forget copies a record tier lost on its own (corrupt records, failed writes)."""
+        for name, tier in self._record_tiers.items():
+            for key in tier.take_failed():
+                node = self._index.get(key)
+                if node is not None:
+                    self._placement.remove_from(node, name)
+
+    def _rebuild_from_disk(self) -> None:
+        """Re-create the tree from the disk tier's headers, parents before children."""
+        disk = self._record_tiers["disk"]
+        records = {r.key: r for r in disk.scan()}
+        depth: dict[bytes, int] = {}
+
+        def depth_of(key: bytes) -> int:
+            chain = []
+            while key in records and key not in depth:
+                chain.append(key)
+                key = records[key].parent
+            base = depth.get(key, -1)
+            for k in reversed(chain):
+                base += 1
+                depth[k] = base
+            return depth[chain[0]] if chain else depth.get(key, -1)
+
+        for key in records:
+            depth_of(key)
+        loaded = orphans = 0
+        for key in sorted(records, key=depth.__getitem__):
+            record = records[key]
+            parent = self._index.get(record.parent)
+            if parent is None:
+                is_root = record.parent == record.namespace if record.kind == "page" else record.parent not in records
+                if not is_root:
+                    orphans += 1
+                    disk.delete(key)
+                    continue
+                parent = self._index.root(record.parent, record.namespace)
+            if page_key(parent.key, record.tokens) != key or (parent.parent is not None and parent.num_tokens == 0):
+                orphans += 1
+                disk.delete(key)
+                continue
+            node = self._index.insert(parent, key, record.tokens)
+            node.ready = True
+            codec_bytes = _record_payload_bytes(record)
+            self._placement.add(node, "disk", disk_record_cost(codec_bytes, record.num_tokens))
+            loaded += 1
+        if loaded or orphans:
+            log.info("disk tier: %d pages loaded into the index, %d orphaned records deleted", loaded, orphans)
+        self._placement.make_room("disk", 0)  # a smaller disk_bytes than last time: evict to fit
+
+    # -- stats -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per tier: pages, bytes, capacity, hits, misses, evictions; plus request counters."""
+        with self._lock:
+            tiers = {}
+            for name in self._placement.order:
+                u = self._placement.usage[name]
+                tiers[name] = {"pages": u.pages, "bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
+                               "hits": u.hits, "misses": u.misses, "evictions": u.evictions,
+                               "demotions": u.demotions, "promotions": u.promotions,
+                               "codec": self._codecs[name].name}
+            corrupt = sum(getattr(t, "corrupt_records", 0) for t in self._record_tiers.values())
+            return {"tiers": tiers, "pages": len(self._index), "corrupt_records": corrupt,
+                    "dropped_pages": self._placement.dropped_pages, "policy": self.config.policy,
+                    "models": len(self._registry._models), **self._counters}
+
+
+class _SizeProbe:
+    """What a size computation needs of a page that may not exist yet."""
+
+    __slots__ = ("spec", "num_tokens")
+
+    def __init__(self, spec: ModelSpec, num_tokens: int):
+        self.spec = spec
+        self.num_tokens = num_tokens
+
+
+def _record_payload_bytes(record: PageRecord) -> int:
+    """Decoded size of a record's KV: the disk accounting's estimate after a restart."""
+    size = DTYPE_BYTES.get(record.dtype, 2)
+    for dim in record.shape:
+        size *= dim
+    return size
+
+
+def _byte_tensor(payload: Any) -> torch.Tensor:
+    """A uint8 tensor over a record payload, without copying (payloads are only read)."""
+    if isinstance(payload, torch.Tensor):
+        return payload
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: we never write them
+        return torch.frombuffer(payload, dtype=torch.uint8)

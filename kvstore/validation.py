@@ -1,0 +1,96 @@
+"""Checks at the API boundary: tokens, KV tensors, `start`, model names.
+
+Each check raises a specific `KVStoreError` subclass whose message names the field, before
+anything is stored (so bad input never leaves part of a page behind).
+"""
+from __future__ import annotations
+
+import re
+from array import array
+from typing import Any
+
+import torch
+
+from kvstore.codecs import TORCH_DTYPES
+from kvstore.config import ModelSpec
+from kvstore.errors import InvalidKV, InvalidModelName, InvalidRequest, InvalidStart, InvalidTokens
+from kvstore.keys import MAX_TOKEN_ID
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,199}$")
+
+
+def check_model_name(model: Any) -> str:
+    if not isinstance(model, str) or not MODEL_NAME.match(model):
+        raise InvalidModelName(
+            f"model: expected 1-200 characters of letters, digits and ._:@+/- starting with a letter "
+            f"or digit, got {model!r}", field="model")
+    return model
+
+
+def token_bytes(tokens: Any, *, max_tokens: int, field: str = "tokens") -> bytes:
+    """Token ids (a sequence of ints, or a 1-D integer tensor/array) as int32 LE bytes."""
+    if isinstance(tokens, (bytes, bytearray, memoryview, str)):
+        raise InvalidTokens(f"{field}: expected a list of integer token ids, got {type(tokens).__name__}", field=field)
+    if isinstance(tokens, torch.Tensor) or hasattr(tokens, "__array_interface__"):
+        t = torch.as_tensor(tokens)
+        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {t.dtype} of shape {tuple(t.shape)}", field=field)
+        if t.numel() > max_tokens:
+            raise InvalidTokens(f"{field}: {t.numel()} tokens exceeds the limit of {max_tokens}", field=field)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > MAX_TOKEN_ID):
+            raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
+        return t.to(device="cpu", dtype=torch.int32).contiguous().numpy().tobytes()
+    try:
+        n = len(tokens)
+    except TypeError:
+        raise InvalidTokens(f"{field}: expected a list of integer token ids, got {type(tokens).__name__}", field=field) from None
+    if n > max_tokens:
+        raise InvalidTokens(f"{field}: {n} tokens exceeds the limit of {max_tokens}", field=field)
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        raise InvalidTokens(f"{field}: every token id must be an integer", field=field)
+    try:
+        arr = array("i", tokens)
+    except OverflowError:
+        raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field) from None
+    if n and min(arr) < 0:
+        raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}], got {min(arr)}", field=field)
+    return arr.tobytes()
+
+
+def check_start(start: Any, num_tokens: int) -> int:
+    if isinstance(start, bool) or not isinstance(start, int):
+        raise InvalidStart(f"start: expected an integer, got {start!r}", field="start")
+    if start < 0 or start > num_tokens:
+        raise InvalidStart(f"start: must be in [0, {num_tokens}] (the number of tokens), got {start}", field="start")
+    return start
+
+
+def check_kv(kv: Any, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
+    """`kv` as a torch tensor of shape (L, 2, num_tokens, H, D) in the spec's dtype."""
+    if not isinstance(kv, torch.Tensor):
+        if hasattr(kv, "__array_interface__"):
+            try:
+                kv = torch.from_numpy(kv)
+            except TypeError as exc:
+                raise InvalidKV(f"kv: unsupported array: {exc}", field="kv") from None
+        else:
+            raise InvalidKV(f"kv: expected a torch tensor or numpy array, got {type(kv).__name__}", field="kv")
+    want_dtype = TORCH_DTYPES[spec.dtype]
+    if kv.dtype != want_dtype:
+        raise InvalidKV(f"kv: dtype must be {spec.dtype} (the model's), got {str(kv.dtype).removeprefix('torch.')}", field="kv")
+    want = spec.kv_shape(num_tokens)
+    if tuple(kv.shape) != want:
+        raise InvalidKV(f"kv: shape must be (L, 2, T, H, D) = {want} for {num_tokens} tokens, got {tuple(kv.shape)}", field="kv")
+    return kv
+
+
+def check_device(device: Any) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequest(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}", field="device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("device: 'cuda' asked for, but no CUDA device is available", field="device")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}", field="device")
+    return dev

@@ -1,0 +1,286 @@
+"""Disk tier: page records in an LMDB environment under `data_dir`.
+
+py-lmdb idioms: one writer thread owns every write transaction (LMDB allows one writer; batching
+many puts into one commit is what makes it fast), readers open short read-only transactions from
+any thread, and the map grows by doubling on `MapFullError` up to `capacity_bytes`.
+
+Two sub-databases: `meta` (key -> checksummed header) and `data` (key -> payload). Rebuilding the
+index at start scans `meta` only. Records written but not yet committed are served from
+`_pending`, so a page is readable the moment `put` returns. `put` returns a `threading.Event`
+that is set once the record is committed (write-through waits for it).
+
+What the tier does not do: decide capacity or eviction (the store's placement does); a write
+that still fails at the largest map size is reported through `take_failed()` so the store can
+forget that copy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from typing import Iterator
+
+import lmdb
+import zstandard
+
+from tiers.base import PageRecord
+from tiers.disk_record import (CorruptRecord, decode_header, encode_header, header_to_record,
+                               payload_crc)
+
+log = logging.getLogger("kvstore.disk")
+
+INITIAL_MAP_BYTES = 64 << 20
+_DELETE = object()
+_STOP = object()
+MAX_BATCH_BYTES = 64 << 20
+
+
+class _ReadWriteLock:
+    """Many readers or one map resizer: LMDB's set_mapsize needs no open transaction."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if not self._readers:
+                self._cond.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writer = True
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, path: str, capacity_bytes: int, *, compression: str = "none",
+                 zstd_level: int = 1, sync: bool = False, queue_pages: int = 256):
+        if capacity_bytes <= 0:
+            raise ValueError(f"disk_bytes: must be > 0 for a disk tier, got {capacity_bytes}")
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.compression = compression
+        self._zstd_level = zstd_level
+        self._map_bytes = min(capacity_bytes, INITIAL_MAP_BYTES)
+        existing = os.path.join(path, "data.mdb")
+        if os.path.exists(existing):  # reopen at least as large as the file already is
+            self._map_bytes = max(self._map_bytes, min(capacity_bytes, os.path.getsize(existing)))
+        # sync=False (write-back): a crash may lose the last commits, never consistency.
+        self.env = lmdb.open(path, map_size=self._map_bytes, max_dbs=2, subdir=True, sync=sync,
+                             metasync=sync, readahead=False, max_readers=512, lock=True)
+        self._meta = self.env.open_db(b"meta")
+        self._data = self.env.open_db(b"data")
+        self._rw = _ReadWriteLock()
+        self._pending: dict[bytes, object] = {}  # key -> PageRecord or _DELETE, until committed
+        self._pending_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_pages)
+        self._failed: list[bytes] = []
+        self.corrupt_records = 0
+        self.write_errors = 0
+        self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
+        self._writer.start()
+
+    def _entries(self) -> int:
+        with self.env.begin(db=self._meta) as txn:
+            return txn.stat(self._meta)["entries"]
+
+    # -- the protocol ------------------------------------------------------------------------
+    def put(self, record: PageRecord) -> threading.Event:
+        done = threading.Event()
+        with self._pending_lock:
+            self._pending[record.key] = record
+        self._queue.put((record.key, record, done))
+        return done
+
+    def delete(self, key: bytes) -> bool:
+        with self._pending_lock:
+            self._pending[key] = _DELETE
+        self._queue.put((key, _DELETE, None))
+        return True
+
+    def get(self, key: bytes) -> PageRecord | None:
+        with self._pending_lock:
+            pending = self._pending.get(key)
+        if pending is _DELETE:
+            return None
+        if pending is not None:
+            record: PageRecord = pending  # type: ignore[assignment]
+            return record
+        self._rw.acquire_read()
+        try:
+            with self.env.begin() as txn:
+                meta = txn.get(key, db=self._meta)
+                payload = txn.get(key, db=self._data)
+        finally:
+            self._rw.release_read()
+        if meta is None:
+            return None
+        try:
+            header = decode_header(meta, key)
+            if payload is None or len(payload) != header["size"] or payload_crc(payload) != header["crc"]:
+                raise CorruptRecord("payload checksum mismatch")
+            if header["comp"] == "zstd":
+                payload = zstandard.ZstdDecompressor().decompress(payload)
+        except (CorruptRecord, zstandard.ZstdError) as exc:
+            self._corrupt(key, str(exc))
+            return None
+        return header_to_record(header, payload)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._pending_lock:
+            pending = self._pending.get(key)
+        if pending is not None:
+            return pending is not _DELETE
+        with self.env.begin(db=self._meta) as txn:
+            return txn.get(key) is not None
+
+    def __len__(self) -> int:
+        return self._entries()
+
+    def scan(self) -> Iterator[PageRecord]:
+        """Headers of every intact record (payload None); malformed ones are deleted and counted."""
+        bad: list[tuple[bytes, str]] = []
+        with self.env.begin(db=self._meta) as txn:
+            for key, value in txn.cursor():
+                try:
+                    yield header_to_record(decode_header(value, key))
+                except CorruptRecord as exc:
+                    bad.append((key, str(exc)))
+        for key, why in bad:
+            self._corrupt(key, why)
+
+    def _corrupt(self, key: bytes, why: str) -> None:
+        self.corrupt_records += 1
+        log.warning("disk tier: corrupt record %s deleted (%s)", key.hex(), why)
+        self.delete(key)
+        with self._pending_lock:
+            self._failed.append(key)
+
+    def take_failed(self) -> list[bytes]:
+        """Keys whose records were lost (corrupt, or not writable at the largest map size)."""
+        with self._pending_lock:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def flush(self) -> None:
+        done = threading.Event()
+        self._queue.put((None, None, done))
+        done.wait()
+
+    def stored_bytes(self) -> int:
+        info = self.env.info()
+        stat = self.env.stat()
+        return (info["last_pgno"] + 1) * stat["psize"]
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put((None, _STOP, None))
+            self._writer.join()
+        self.env.sync(True)
+        self.env.close()
+
+    # -- the writer thread -------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        compressor = zstandard.ZstdCompressor(level=self._zstd_level) if self.compression == "zstd" else None
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            batch_bytes = 0
+            while len(batch) < 1024 and batch_bytes < MAX_BATCH_BYTES:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+                item = batch[-1][1]
+                if isinstance(item, PageRecord):
+                    batch_bytes += len(_as_bytes(item.payload))
+            stop = any(op is _STOP for _, op, _ in batch)
+            ops = []
+            for key, op, done in batch:
+                if isinstance(op, PageRecord):
+                    payload = _as_bytes(op.payload)
+                    stored = compressor.compress(payload) if compressor else payload
+                    comp = "zstd" if compressor else "none"
+                    ops.append((key, encode_header(op, compression=comp, stored_payload=stored), stored, op))
+                elif op is _DELETE:
+                    ops.append((key, None, None, op))
+            self._commit(ops)
+            with self._pending_lock:
+                for key, _, _, op in ops:
+                    if self._pending.get(key) is op:
+                        del self._pending[key]
+            for _, _, done in batch:
+                if done is not None:
+                    done.set()
+
+    def _commit(self, ops: list) -> None:
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for key, meta, payload, _ in ops:
+                        if meta is None:
+                            txn.delete(key, db=self._meta)
+                            txn.delete(key, db=self._data)
+                        else:
+                            txn.put(key, meta, db=self._meta)
+                            txn.put(key, payload, db=self._data)
+                return
+            except lmdb.MapFullError:
+                if self._map_bytes >= self.capacity_bytes:
+                    break
+                self._grow()
+            except lmdb.Error as exc:  # e.g. the disk itself is full
+                log.error("disk tier: write of %d records failed: %s", len(ops), exc)
+                break
+        # Nothing of this batch was committed; deletes are retried one by one (they free room),
+        # puts are reported lost so the store forgets those copies.
+        self.write_errors += 1
+        for key, meta, payload, _ in ops:
+            try:
+                with self.env.begin(write=True) as txn:
+                    if meta is None:
+                        txn.delete(key, db=self._meta)
+                        txn.delete(key, db=self._data)
+                    else:
+                        txn.put(key, meta, db=self._meta)
+                        txn.put(key, payload, db=self._data)
+            except lmdb.Error:
+                if meta is not None:
+                    with self._pending_lock:
+                        self._failed.append(key)
+
+    def _grow(self) -> None:
+        new_bytes = min(self.capacity_bytes, self._map_bytes * 2)
+        self._rw.acquire_write()
+        try:
+            self.env.set_mapsize(new_bytes)
+        finally:
+            self._rw.release_write()
+        log.info("disk tier: map grown from %d to %d bytes", self._map_bytes, new_bytes)
+        self._map_bytes = new_bytes
+
+
+def _as_bytes(payload) -> bytes | memoryview:
+    """A flat byte view of a payload given as bytes, a memoryview or a uint8 torch tensor."""
+    if hasattr(payload, "numpy"):
+        return memoryview(payload.contiguous().numpy()).cast("B")
+    return memoryview(payload).cast("B")
