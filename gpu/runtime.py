@@ -1,0 +1,103 @@
+"""Compiles `gpu/kernels.cu` once per device with `cupy.RawModule` and launches its kernels on
+torch's current CUDA stream, so they order with the caller's torch work without a sync.
+
+CuPy is imported lazily: without CuPy or without CUDA this module imports fine and
+`kernels_unavailable_reason()` says why the kernels cannot run. It does not validate kernel
+arguments; each kernel's wrapper (gpu/paged.py, gpu/quant.py, gpu/rope.py) does that.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+SOURCE_PATH = Path(__file__).with_name("kernels.cu")
+# Compile options: precise division and no flush-to-zero are NVRTC's defaults and the kernels
+# rely on them to match the torch references bit for bit; say so explicitly anyway.
+NVRTC_OPTIONS = ("-std=c++17", "-prec-div=true", "-ftz=false")
+
+_lock = threading.Lock()
+_modules: dict[int, Any] = {}  # device index -> cupy.RawModule (compiled lazily by CuPy)
+_cupy: ModuleType | None = None
+_cupy_error: str | None = None
+
+
+class KernelsUnavailable(RuntimeError):
+    """The CUDA kernels cannot run here (no CUDA device, or CuPy missing)."""
+
+
+def _import_cupy() -> ModuleType | None:
+    global _cupy, _cupy_error
+    if _cupy is None and _cupy_error is None:
+        try:
+            import cupy  # noqa: PLC0415 - optional extra, kvstore[gpu]
+
+            _cupy = cupy
+        except Exception as exc:  # ImportError, or a CUDA library that fails to load
+            _cupy_error = f"CuPy is not importable ({type(exc).__name__}: {exc}); install kvstore[gpu]"
+    return _cupy
+
+
+def kernels_unavailable_reason() -> str | None:
+    """None when the kernels can run; otherwise a sentence saying what is missing."""
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    if _import_cupy() is None:
+        return _cupy_error
+    return None
+
+
+def kernels_available() -> bool:
+    return kernels_unavailable_reason() is None
+
+
+def require_kernels() -> ModuleType:
+    reason = kernels_unavailable_reason()
+    if reason is not None:
+        raise KernelsUnavailable(f"kvstore CUDA kernels unavailable: {reason}")
+    assert _cupy is not None
+    return _cupy
+
+
+def _module(cupy: ModuleType, device_index: int) -> Any:
+    with _lock:
+        module = _modules.get(device_index)
+        if module is None:
+            with cupy.cuda.Device(device_index):
+                module = cupy.RawModule(code=SOURCE_PATH.read_text(), options=NVRTC_OPTIONS)
+                if hasattr(module, "compile"):  # CuPy >= 10: compile now, not in the first launch
+                    module.compile()
+            _modules[device_index] = module
+        return module
+
+
+def launch(name: str, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...],
+           args: tuple[Any, ...]) -> None:
+    """Launch kernel `name` on `device`'s current torch stream. `args` must already be the C types
+    the kernel declares (see `ptr`, `i32`, `i64`): CuPy packs Python scalars by their own type."""
+    cupy = require_kernels()
+    assert device.type == "cuda" and device.index is not None, device
+    assert all(isinstance(a, (np.integer, np.floating)) for a in args), "cast kernel scalars to C types"
+    kernel = _module(cupy, device.index).get_function(name)
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        kernel(grid, block, args)
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    """A tensor's device address as the kernel's pointer argument."""
+    return np.uint64(t.data_ptr())
+
+
+def i32(value: int) -> np.int32:
+    if not -(1 << 31) <= value < (1 << 31):
+        raise ValueError(f"{value} does not fit the kernel's 32-bit int argument")
+    return np.int32(value)
+
+
+def i64(value: int) -> np.int64:
+    return np.int64(value)
