@@ -1,0 +1,38 @@
+"""`create_app(store, config)`: the aiohttp application around one store.
+
+The app does not own the store (whoever made it closes it, after the app has finished its
+in-flight requests); it owns its thread pool, which it shuts down on cleanup, waiting for
+running store calls so that closing the store afterwards is safe.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from api.auth import authenticate, load_auth_file
+from api.config import ServerConfig
+from api.context import AUTH, CONFIG, EXECUTOR, STORE
+from api.metrics import METRICS, Metrics, measure
+from api.middleware import errors
+from api.routes import ROUTES
+
+
+def create_app(store: Any, config: ServerConfig | None = None) -> web.Application:
+    config = config or ServerConfig()
+    # Order: metrics sees the final status of everything, errors turns exceptions (auth's 401
+    # included) into bodies, auth runs before any handler.
+    app = web.Application(middlewares=[measure, errors, authenticate], client_max_size=config.max_body_bytes)
+    app[STORE] = store
+    app[CONFIG] = config
+    app[AUTH] = load_auth_file(config.auth_file) if config.auth_file else {}
+    app[EXECUTOR] = ThreadPoolExecutor(config.executor_threads, thread_name_prefix="kvstore-api")
+    app[METRICS] = Metrics(store.stats)
+    app.add_routes(ROUTES)
+    app.on_cleanup.append(_shutdown_executor)
+    return app
+
+
+async def _shutdown_executor(app: web.Application) -> None:
+    app[EXECUTOR].shutdown(wait=True)

@@ -1,0 +1,131 @@
+"""What the clients put on the wire and how they read answers, transport aside.
+
+Shared by `KVStoreClient` (http.client) and `AsyncKVStoreClient` (aiohttp): tokens go as a
+`bin` of little-endian int32, `kv` as the tensor's own bytes after a hand-built msgpack prefix
+(the caller sends the parts back to back, never joined), and a response's `kv` is viewed in
+place in the buffer it was read into. Error bodies become the `KVStoreError` subclass named by
+their code, so a caller catches the same exceptions as with the in-process store.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import quote
+
+import msgpack
+import numpy as np
+import torch
+
+from api.framing import FramingError, pack_map_prefix, unpack_map
+from kvstore.codecs import TORCH_DTYPES
+from kvstore.config import ModelSpec
+from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
+from kvstore.results import FetchResult, LookupResult, StoreResult
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
+_INT32_MAX = (1 << 31) - 1
+_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+Parts = list[Any]  # bytes-like parts, sent back to back
+
+
+def tokens_bin(tokens: Any) -> memoryview:
+    """A sequence of ints or a 1-D int tensor/array -> little-endian int32 bytes."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype="<i4")
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}", field="tokens")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
+        raise InvalidTokens(f"tokens: ids must be in [0, {_INT32_MAX}]", field="tokens")
+    return memoryview(np.ascontiguousarray(arr, dtype="<i4")).cast("B")
+
+
+def kv_bytes(kv: Any) -> tuple[memoryview, str]:
+    """A (L, 2, T, H, D) tensor or array -> (its C-order bytes, dtype name), no copy if contiguous."""
+    if isinstance(kv, np.ndarray):
+        kv = torch.from_numpy(kv)
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidKV(f"kv: expected a torch tensor or numpy array, got {type(kv).__name__}", field="kv")
+    if kv.dtype not in _DTYPE_NAMES:
+        raise InvalidKV(f"kv: dtype must be one of {', '.join(TORCH_DTYPES)}, got {kv.dtype}", field="kv")
+    if kv.dim() != 5:
+        raise InvalidKV(f"kv: expected shape (L, 2, T, H, D), got {tuple(kv.shape)}", field="kv")
+    flat = kv.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.numpy()), _DTYPE_NAMES[kv.dtype]
+
+
+def small_body(fields: dict[str, Any]) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def tokens_body(model: str, tokens: Any, start: int | None = None) -> bytes:
+    fields: dict[str, Any] = {"model": model, "tokens": tokens_bin(tokens)}
+    if start:
+        fields["start"] = start
+    return small_body(fields)
+
+
+def store_parts(model: str, tokens: Any, kv: Any, start: int = 0) -> Parts:
+    raw, dtype = kv_bytes(kv)
+    fields: dict[str, Any] = {"model": model, "tokens": tokens_bin(tokens), "dtype": dtype}
+    if start:
+        fields["start"] = start
+    return [pack_map_prefix(fields, "kv", raw.nbytes), raw]
+
+
+def decode(status: int, content_type: str, body: bytearray | bytes) -> Any:
+    """The response's object; raises the matching KVStoreError for a 4xx/5xx."""
+    try:
+        obj: Any = json.loads(body) if content_type.startswith(JSON) else unpack_map(body) if body else {}
+    except (ValueError, FramingError):
+        obj = None
+    if status >= 400:
+        error = obj.get("error") if isinstance(obj, dict) else None
+        if not isinstance(error, dict):
+            raise KVStoreError(f"HTTP {status}: {bytes(body[:200])!r}")
+        cls = ERRORS_BY_CODE.get(error.get("code"), KVStoreError)
+        exc = cls(str(error.get("message", "")))
+        exc.status = status  # keep what the server said even for codes this client does not know
+        raise exc
+    if obj is None:
+        raise KVStoreError(f"HTTP {status}: undecodable {content_type or 'untyped'} response body")
+    return obj
+
+
+def spec_result(obj: dict[str, Any]) -> ModelSpec:
+    return ModelSpec.from_dict(obj)
+
+
+def lookup_result(obj: dict[str, Any]) -> LookupResult:
+    return LookupResult(matched_tokens=obj["matched_tokens"], tiers=dict(obj.get("tiers") or {}))
+
+
+def store_result(obj: dict[str, Any]) -> StoreResult:
+    return StoreResult(stored_tokens=obj["stored_tokens"], new_pages=obj["new_pages"])
+
+
+def fetch_result(obj: dict[str, Any], device: str = "cpu") -> FetchResult:
+    raw = obj.get("kv")
+    if raw is None:
+        return FetchResult(matched_tokens=obj["matched_tokens"], kv=None)
+    dtype, shape = TORCH_DTYPES[obj["dtype"]], tuple(obj["shape"])
+    # A view of the response buffer: the one copy of the fetch path was the socket read.
+    kv = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
+    kv = kv.view(shape)  # (L, 2, T, H, D)
+    return FetchResult(matched_tokens=obj["matched_tokens"], kv=kv if device == "cpu" else kv.to(device))
+
+
+def model_path(model: str) -> str:
+    return "/v1/models/" + quote(model, safe="")
+
+
+def spec_body(spec: ModelSpec) -> bytes:
+    return small_body(spec.to_dict())
+
+
+def check_tenant(tenant: str | None) -> None:
+    if tenant is not None:
+        raise ValueError("tenant: the sidecar takes the tenant from the bearer token; pass token= to the client")

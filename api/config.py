@@ -1,0 +1,66 @@
+"""Settings of the HTTP sidecar (address, auth, limits), next to the store's `StoreConfig`.
+
+Frozen and validated like every config in kvstore; `kvstore serve` builds it from flags and
+`KVSTORE_*` variables (kvstore/cli.py is the one place that reads them).
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8100  # 0 picks a free port; the startup line names the one bound
+    auth_file: str | None = None  # JSON object {"<bearer token>": "<tenant>", ...}
+    max_body_bytes: int = 1 << 30
+    log_level: str = "info"
+    insecure: bool = False  # allow a non-loopback bind without an auth file
+    shutdown_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    socket_buffer_bytes: int = 4 << 20  # SO_SNDBUF/SO_RCVBUF: a 2 MiB page in one send
+    executor_threads: int = 8  # threads for blocking store calls (LMDB, big copies)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host: expected an address or host name, got {self.host!r}")
+        _check_int("port", self.port, 0, 65535)
+        _check_int("max_body_bytes", self.max_body_bytes, 1024)
+        _check_int("socket_buffer_bytes", self.socket_buffer_bytes, 0)
+        _check_int("executor_threads", self.executor_threads, 1, 1024)
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
+        if not isinstance(self.insecure, bool):
+            raise ValueError(f"insecure: expected true or false, got {self.insecure!r}")
+        if not (isinstance(self.shutdown_timeout_s, (int, float)) and 0 <= self.shutdown_timeout_s <= 3600):
+            raise ValueError(f"shutdown_timeout_s: must be in [0, 3600], got {self.shutdown_timeout_s!r}")
+        if self.auth_file is not None and (not isinstance(self.auth_file, str) or not self.auth_file):
+            raise ValueError(f"auth_file: expected a path, got {self.auth_file!r}")
+
+    @property
+    def is_loopback(self) -> bool:
+        """True when every address `host` resolves to is a loopback address."""
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name}: must be {allowed}, got {value}")

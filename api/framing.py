@@ -1,0 +1,148 @@
+"""Zero-copy msgpack framing of the top-level map of a request or response body.
+
+`msgpack.unpackb` copies every `bin` into a new `bytes`; for a multi-MiB `kv` that copy is a
+large share of a request's cost. Here the top-level map is walked by hand: `bin` values come
+back as memoryview slices of the body (no copy) and every other value is unpacked by msgpack
+from its own slice. On the way out, `pack_map_prefix` writes the map header and the small
+fields, ending with a `bin` header, so the caller sends the raw tensor bytes right after it.
+
+This module knows msgpack only: it does not know which fields a route expects (see wire.py).
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any, Mapping
+
+import msgpack
+
+_BIN = {0xC4: (1, ">B"), 0xC5: (2, ">H"), 0xC6: (4, ">I")}
+_STR = {0xD9: (1, ">B"), 0xDA: (2, ">H"), 0xDB: (4, ">I")}
+# Type byte -> total size of a fixed-size object (ints, floats, fixext).
+_FIXED = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9,
+          0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9, 0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18}
+# Type byte -> (width of its length field, extra bytes after the length) for sized objects.
+_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),
+          0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1)}
+
+
+class FramingError(ValueError):
+    """The body is not a well-formed msgpack map with string keys."""
+
+
+def _uint(buf: memoryview, pos: int, width: int) -> int:
+    if pos + width > len(buf):
+        raise FramingError("truncated msgpack data")
+    return int.from_bytes(buf[pos:pos + width], "big")
+
+
+def _map_header(buf: memoryview) -> tuple[int, int]:
+    """(number of entries, offset of the first key)."""
+    if not len(buf):
+        raise FramingError("empty body, expected a msgpack map")
+    t = buf[0]
+    if 0x80 <= t <= 0x8F:
+        return t & 0x0F, 1
+    if t == 0xDE:
+        return _uint(buf, 1, 2), 3
+    if t == 0xDF:
+        return _uint(buf, 1, 4), 5
+    raise FramingError("expected a msgpack map at the top level")
+
+
+def _skip(buf: memoryview, pos: int) -> int:
+    """Offset just past the msgpack object at `pos` (nested objects included)."""
+    remaining = 1
+    # Every object consumes at least one byte, so this loop is bounded by the body length even
+    # when a header claims billions of elements.
+    while remaining:
+        if pos >= len(buf):
+            raise FramingError("truncated msgpack data")
+        remaining -= 1
+        t = buf[pos]
+        if t <= 0x7F or t >= 0xE0:
+            pos += 1
+        elif t <= 0x8F:
+            remaining += 2 * (t & 0x0F)
+            pos += 1
+        elif t <= 0x9F:
+            remaining += t & 0x0F
+            pos += 1
+        elif t <= 0xBF:
+            pos += 1 + (t & 0x1F)
+        elif t in _FIXED:
+            pos += _FIXED[t]
+        elif t in _SIZED:
+            width, extra = _SIZED[t]
+            pos += 1 + width + extra + _uint(buf, pos + 1, width)
+        elif t in (0xDC, 0xDD):
+            width = 2 if t == 0xDC else 4
+            remaining += _uint(buf, pos + 1, width)
+            pos += 1 + width
+        elif t in (0xDE, 0xDF):
+            width = 2 if t == 0xDE else 4
+            remaining += 2 * _uint(buf, pos + 1, width)
+            pos += 1 + width
+        else:  # 0xC1 is the one byte msgpack never uses
+            raise FramingError(f"invalid msgpack type byte 0x{t:02x}")
+    if pos > len(buf):
+        raise FramingError("truncated msgpack data")
+    return pos
+
+
+def unpack_map(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Decode a top-level msgpack map; `bin` values are memoryview slices of `body`."""
+    buf = memoryview(body).cast("B")
+    count, pos = _map_header(buf)
+    out: dict[str, Any] = {}
+    for _ in range(count):
+        end = _skip(buf, pos)
+        key = _unpack(buf[pos:end])
+        if not isinstance(key, str):
+            raise FramingError(f"map keys must be strings, got {key!r:.40}")
+        pos, end = end, _skip(buf, end)
+        t = buf[pos]
+        if t in _BIN:
+            width, _ = _BIN[t]
+            out[key] = buf[pos + 1 + width:end]
+        else:
+            out[key] = _unpack(buf[pos:end])
+        pos = end
+    if pos != len(buf):
+        raise FramingError(f"{len(buf) - pos} trailing bytes after the msgpack map")
+    return out
+
+
+def _unpack(data: memoryview) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:  # bad utf-8, ext types, ...
+        raise FramingError(f"malformed msgpack: {exc}") from None
+
+
+def bin_header(nbytes: int) -> bytes:
+    if nbytes < 1 << 8:
+        return struct.pack(">BB", 0xC4, nbytes)
+    if nbytes < 1 << 16:
+        return struct.pack(">BH", 0xC5, nbytes)
+    if nbytes < 1 << 32:
+        return struct.pack(">BI", 0xC6, nbytes)
+    raise ValueError(f"bin of {nbytes} bytes exceeds msgpack's 4 GiB limit")
+
+
+def pack_map_prefix(fields: Mapping[str, Any], bin_key: str, bin_nbytes: int) -> bytes:
+    """msgpack of `{**fields, bin_key: <bin of bin_nbytes>}` up to, not including, the bin data.
+
+    Send the returned bytes, then exactly `bin_nbytes` raw bytes: the map is then complete.
+    """
+    count = len(fields) + 1
+    if count <= 15:
+        head = bytes([0x80 | count])
+    else:
+        head = struct.pack(">BH", 0xDE, count)
+    parts = [head]
+    for key, value in fields.items():
+        parts.append(msgpack.packb(key))
+        parts.append(msgpack.packb(value, use_bin_type=True))
+    parts.append(msgpack.packb(bin_key))
+    parts.append(bin_header(bin_nbytes))
+    return b"".join(parts)

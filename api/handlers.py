@@ -1,0 +1,78 @@
+"""Thin handlers: parse (wire) -> store call (off the loop where it blocks) -> encode (wire).
+
+Nothing here validates beyond what wire.py does or decides anything the store decides; a
+handler that grows past ~20 lines is a sign its logic belongs in one of those.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from aiohttp import web
+
+from api import wire
+from api.context import CONFIG, STORE, run_blocking, tenant_of
+from api.metrics import METRICS
+from api.openapi import openapi_document
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[METRICS]
+    body = await run_blocking(request, registry.render)
+    return web.Response(body=body, headers={"Content-Type": registry.content_type})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app))
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(await run_blocking(request, request.app[STORE].stats))
+
+
+async def put_model(request: web.Request) -> web.Response:
+    model = wire.model_name(request.match_info["model"], field="model (path)")
+    spec = wire.model_spec(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    store, tenant = request.app[STORE], tenant_of(request)
+    created = await run_blocking(request, store.register_model_created, model, spec, tenant=tenant)
+    return wire.respond(request, spec.to_dict(), status=201 if created else 200)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    model = wire.model_name(request.match_info["model"], field="model (path)")
+    spec = await run_blocking(request, request.app[STORE].get_spec, model, tenant=tenant_of(request))
+    return wire.respond(request, spec.to_dict())
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    model = wire.model_name(request.match_info["model"], field="model (path)")
+    dropped = await run_blocking(request, request.app[STORE].drop_model, model, tenant=tenant_of(request))
+    return wire.respond(request, {"dropped_pages": dropped})
+
+
+async def lookup(request: web.Request) -> web.Response:
+    req = wire.lookup_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    result = await run_blocking(request, request.app[STORE].lookup, req.model, req.tokens, tenant=tenant_of(request))
+    return wire.respond(request, asdict(result))
+
+
+async def store(request: web.Request) -> web.Response:
+    req = wire.store_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    kvstore, tenant = request.app[STORE], tenant_of(request)
+
+    def put() -> dict:
+        spec = kvstore.get_spec(req.model, tenant=tenant)
+        kv = wire.kv_tensor(req.kv, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
+        return asdict(kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant))
+
+    return wire.respond(request, await run_blocking(request, put))
+
+
+async def fetch(request: web.Request) -> web.StreamResponse:
+    req = wire.fetch_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    result = await run_blocking(request, request.app[STORE].fetch, req.model, req.tokens,
+                                start=req.start, tenant=tenant_of(request))
+    return await wire.respond_kv(request, {"matched_tokens": result.matched_tokens}, result.kv)

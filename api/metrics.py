@@ -1,0 +1,100 @@
+"""Prometheus metrics of one app, on its own registry (several apps in one process, as in
+tests, never collide): requests by route and status, latency by route, and the store's
+per-tier counters read from `store.stats()` at scrape time.
+
+Routes are labelled by their template (`/v1/models/{model}`), never the raw path, so a client
+cannot blow up label cardinality; unmatched paths share one label.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable, Iterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Store stats that only grow: exported as counters; everything else per tier is a gauge.
+MONOTONIC = frozenset({"hits", "misses", "evictions", "corrupt_records", "promotions", "demotions", "dropped_pages",
+                       "lookups", "fetches", "stores", "requested_tokens", "lookup_hit_tokens"})
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class StoreCollector(Collector):
+    """Turns `store.stats()` into metric families when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        per_tier: dict[str, dict[str, float]] = {}
+        for tier, values in (stats.get("tiers") or {}).items():
+            for name, value in values.items():
+                if _is_number(value):
+                    per_tier.setdefault(name, {})[tier] = float(value)
+        for name, by_tier in sorted(per_tier.items()):
+            family = _family(f"kvstore_tier_{name}", f"store.stats() tiers.*.{name}", name, ["tier"])
+            for tier, value in by_tier.items():
+                family.add_metric([tier], value)
+            yield family
+        for name, value in sorted(stats.items()):
+            if _is_number(value):
+                family = _family(f"kvstore_{name}", f"store.stats() {name}", name, [])
+                family.add_metric([], float(value))
+                yield family
+
+
+def _family(metric: str, doc: str, name: str, labels: list[str]) -> CounterMetricFamily | GaugeMetricFamily:
+    if name in MONOTONIC:
+        return CounterMetricFamily(metric.removesuffix("_total"), doc, labels=labels)
+    return GaugeMetricFamily(metric, doc, labels=labels)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvstore_http_requests", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=self.registry)
+        self.latency = Histogram("kvstore_http_request_duration_seconds", "HTTP request latency by route",
+                                 ["route", "method"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.registry.register(StoreCollector(stats))
+
+    def render(self) -> bytes:
+        """The text exposition; calls store.stats(), so run it off the event loop."""
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
+
+
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
+
+
+def route_label(request: web.Request) -> str:
+    route = request.match_info.route
+    resource = route.resource if route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def measure(request: web.Request,
+                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    metrics = request.app[METRICS]
+    began = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        route = route_label(request)
+        metrics.requests.labels(route, request.method, str(status)).inc()
+        metrics.latency.labels(route, request.method).observe(time.perf_counter() - began)

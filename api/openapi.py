@@ -1,0 +1,128 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 document of the sidecar, built from the live route table.
+
+`OPERATIONS` describes each (method, path); the document lists exactly the app's routes, so a
+route without a description shows up as "undocumented" (and fails tests/api/test_openapi.py)
+rather than silently missing. Request bodies are msgpack maps; the schemas below describe
+their fields (a `bin` is `type: string, format: binary`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.config import CODECS, DTYPE_BYTES, ROPE_STYLES
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+
+_int = {"type": "integer", "minimum": 0}
+_model = {"type": "string", "minLength": 1, "description": "model name"}
+_tokens = {"description": "token ids: an array of ints, or a bin of little-endian int32",
+           "oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}},
+                     {"type": "string", "format": "binary"}]}
+_kv = {"type": "string", "format": "binary",
+       "description": "the (L, 2, T, H, D) KV tensor, C-order, the model's dtype, little-endian "
+                      "(base64 in a JSON body)"}
+_start = {**_int, "default": 0, "description": "first token the kv covers / to return"}
+
+SCHEMAS: dict[str, Any] = {
+    "ModelSpec": {
+        "type": "object", "required": ["num_layers", "num_kv_heads", "head_dim"], "additionalProperties": False,
+        "properties": {
+            "num_layers": {"type": "integer", "minimum": 1}, "num_kv_heads": {"type": "integer", "minimum": 1},
+            "head_dim": {"type": "integer", "minimum": 1}, "dtype": {"enum": list(DTYPE_BYTES)},
+            "page_size": {"type": "integer", "minimum": 1}, "rope_theta": {"type": "number", "exclusiveMinimum": 0},
+            "rope_style": {"enum": list(ROPE_STYLES)},
+            "rope_scaling": {"type": ["object", "null"], "description": "HF-style rope_scaling"}}},
+    "LookupRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
+                      "properties": {"model": _model, "tokens": _tokens}},
+    "LookupResult": {"type": "object", "required": ["matched_tokens", "tiers"],
+                     "properties": {"matched_tokens": _int,
+                                    "tiers": {"type": "object", "additionalProperties": _int,
+                                              "description": "tier -> matched tokens it serves"}}},
+    "StoreRequest": {"type": "object", "required": ["model", "tokens", "kv"], "additionalProperties": False,
+                     "properties": {"model": _model, "tokens": _tokens, "kv": {**_kv, "description": _kv["description"] + "; covers tokens[start:]"},
+                                    "start": _start, "dtype": {"enum": list(DTYPE_BYTES), "description": "optional check of kv's dtype"}}},
+    "StoreResult": {"type": "object", "required": ["stored_tokens", "new_pages"],
+                    "properties": {"stored_tokens": _int, "new_pages": _int}},
+    "FetchRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
+                     "properties": {"model": _model, "tokens": _tokens, "start": _start}},
+    "FetchResult": {"type": "object", "required": ["matched_tokens", "kv"],
+                    "properties": {"matched_tokens": _int,
+                                   "kv": {**_kv, "type": ["string", "null"], "description": "covers tokens[start:matched_tokens]; null on a miss"},
+                                   "dtype": {"enum": list(DTYPE_BYTES)},
+                                   "shape": {"type": "array", "items": _int, "minItems": 5, "maxItems": 5}}},
+    "DropResult": {"type": "object", "required": ["dropped_pages"], "properties": {"dropped_pages": _int}},
+    "Stats": {"type": "object", "description": "per tier: pages, bytes, capacity, hits, misses, evictions; "
+                                               f"corrupt_records; tier codecs among {', '.join(CODECS)}"},
+    "Health": {"type": "object", "properties": {"status": {"const": "ok"}}},
+    "Error": {"type": "object", "required": ["error"],
+              "properties": {"error": {"type": "object", "required": ["code", "message"],
+                                       "properties": {"code": {"type": "string"},
+                                                      "message": {"type": "string", "description": "names the field at fault"}}}}},
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _body(name: str) -> dict[str, Any]:
+    return {"required": True, "content": {MSGPACK: {"schema": _ref(name)}, JSON: {"schema": _ref(name)}}}
+
+
+def _ok(name: str, media: tuple[str, ...] = (MSGPACK, JSON), status: str = "200", text: str = "OK") -> dict[str, Any]:
+    return {status: {"description": text, "content": {m: {"schema": _ref(name)} for m in media}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": d, "content": {MSGPACK: {"schema": _ref("Error")}, JSON: {"schema": _ref("Error")}}}
+            for s, d in ((400, "bad input; the message names the field"), (401, "missing or unknown bearer token"),
+                         (404, "unknown model"), (409, "a different spec is registered under this name"),
+                         (413, "body over --max-body-bytes"), (415, "Content-Type is neither msgpack nor JSON"),
+                         (507, "no tier can take the pages")) if s in statuses}
+
+
+_path_model = [{"name": "model", "in": "path", "required": True, "schema": _model}]
+_v1 = (401,)
+OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
+    ("GET", "/healthz"): {"summary": "Liveness", "responses": _ok("Health", (JSON,))},
+    ("GET", "/metrics"): {"summary": "Prometheus metrics", "responses": {
+        "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}},
+    ("GET", "/openapi.json"): {"summary": "This document", "responses": {
+        "200": {"description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}}}},
+    ("GET", "/v1/stats"): {"summary": "Per-tier store statistics", "responses": {**_ok("Stats", (JSON,)), **_errors(*_v1)}},
+    ("PUT", "/v1/models/{model}"): {
+        "summary": "Register a model's KV layout (idempotent)", "parameters": _path_model, "requestBody": _body("ModelSpec"),
+        "responses": {**_ok("ModelSpec", text="the same spec was already registered"),
+                      **_ok("ModelSpec", status="201", text="registered"), **_errors(400, 401, 409, 413, 415)}},
+    ("GET", "/v1/models/{model}"): {"summary": "A registered model's spec", "parameters": _path_model,
+                                    "responses": {**_ok("ModelSpec"), **_errors(400, 401, 404)}},
+    ("DELETE", "/v1/models/{model}"): {"summary": "Drop the model's pages in every tier", "parameters": _path_model,
+                                       "responses": {**_ok("DropResult"), **_errors(400, 401, 404)}},
+    ("POST", "/v1/lookup"): {"summary": "How many leading tokens are cached, per tier", "requestBody": _body("LookupRequest"),
+                             "responses": {**_ok("LookupResult"), **_errors(400, 401, 404, 413, 415)}},
+    ("POST", "/v1/store"): {"summary": "Store the KV of tokens[start:]", "requestBody": _body("StoreRequest"),
+                            "responses": {**_ok("StoreResult"), **_errors(400, 401, 404, 413, 415, 507)}},
+    ("POST", "/v1/fetch"): {"summary": "The cached KV of the longest matching prefix, from start", "requestBody": _body("FetchRequest"),
+                            "responses": {**_ok("FetchResult"), **_errors(400, 401, 404, 413, 415)}},
+}
+
+
+def openapi_document(app: web.Application) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for route in app.router.routes():
+        method, path = route.method, route.resource.canonical if route.resource else ""
+        operation = OPERATIONS.get((method, path), {"summary": "undocumented", "responses": {}})
+        if path.startswith("/v1/"):
+            operation = {**operation, "security": [{"bearer": []}]}
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvstore sidecar", "version": "1", "description":
+                 "A tiered KV-cache store for LLM inference. Bodies are msgpack maps (application/msgpack); "
+                 "JSON is accepted where the request says application/json (kv then base64)."},
+        "paths": paths,
+        "components": {"schemas": SCHEMAS, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

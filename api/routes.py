@@ -1,0 +1,23 @@
+"""The route table: every endpoint of the sidecar, in one list (DESIGN §7.2).
+
+Adding an endpoint is one line here, one handler, and its entry in openapi.py (a test fails
+until the OpenAPI document describes every route listed here).
+"""
+from __future__ import annotations
+
+from aiohttp import web
+
+from api import handlers
+
+ROUTES: list[web.RouteDef] = [
+    web.get("/healthz", handlers.healthz, allow_head=False),
+    web.get("/metrics", handlers.metrics, allow_head=False),
+    web.get("/openapi.json", handlers.openapi, allow_head=False),
+    web.get("/v1/stats", handlers.stats, allow_head=False),
+    web.put("/v1/models/{model}", handlers.put_model),
+    web.get("/v1/models/{model}", handlers.get_model, allow_head=False),
+    web.delete("/v1/models/{model}", handlers.delete_model),
+    web.post("/v1/lookup", handlers.lookup),
+    web.post("/v1/store", handlers.store),
+    web.post("/v1/fetch", handlers.fetch),
+]

@@ -1,0 +1,117 @@
+"""`kvstore serve`: run the sidecar until SIGTERM/SIGINT, then shut down cleanly.
+
+Order on a signal: stop accepting connections, let in-flight requests finish (up to
+`shutdown_timeout_s`), shut the app's thread pool down (waiting for running store calls), then
+close the store — which flushes the disk writer and closes LMDB — and exit 0.
+
+Without an auth file, every tenant shares one namespace and anyone who can connect can read
+every page, so the server refuses a non-loopback address unless told `--insecure`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from api.app import create_app
+from api.config import ServerConfig
+from kvstore.config import StoreConfig
+from kvstore.sizes import format_bytes
+
+log = logging.getLogger("kvstore.serve")
+
+
+class ServeError(Exception):
+    """The server cannot start as configured; the message says why and what to change."""
+
+
+def check_bind(config: ServerConfig) -> None:
+    if not config.auth_file and not config.insecure and not config.is_loopback:
+        raise ServeError(f"refusing to bind {config.host}: not a loopback address and no --auth-file; "
+                         "give --auth-file (bearer tokens -> tenants) or, on a trusted network, --insecure")
+
+
+def listen_socket(config: ServerConfig) -> socket.socket:
+    """Bound before the store opens, so a taken port fails fast; accepted sockets inherit the
+    buffer sizes (a 2 MiB page then goes out in one send)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if config.socket_buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_buffer_bytes)
+        sock.bind(address)
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def describe(store_config: StoreConfig, server_config: ServerConfig, sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    tiers = []
+    for name in store_config.tier_names:
+        if name == "redis":
+            tiers.append(f"redis {store_config.redis_url}")
+            continue
+        detail = f"{name} {format_bytes(getattr(store_config, f'{name}_bytes'))}"
+        if name == "cpu" and store_config.cpu_codec != "none":
+            detail += f" {store_config.cpu_codec}"
+        if name == "disk":
+            detail += f" at {store_config.data_dir}"
+        tiers.append(detail)
+    auth = f"bearer tokens from {server_config.auth_file}" if server_config.auth_file else "off"
+    return (f"kvstore serving on http://{host}:{port} | tiers: {', '.join(tiers)} | policy {store_config.policy}, "
+            f"{store_config.durability} | auth: {auth}")
+
+
+async def run(store_config: StoreConfig, server_config: ServerConfig) -> None:
+    from kvstore.store import KVStore  # torch, lmdb: only when actually serving
+
+    check_bind(server_config)
+    sock = listen_socket(server_config)
+    try:
+        store = KVStore(store_config)
+        try:
+            await _serve_until_signal(store, store_config, server_config, sock)
+        finally:
+            store.close()  # flushes the disk writer and closes LMDB
+    finally:
+        sock.close()
+    log.info("stopped; store closed")
+
+
+async def _serve_until_signal(store: object, store_config: StoreConfig, server_config: ServerConfig,
+                              sock: socket.socket) -> None:
+    app = create_app(store, server_config)
+    access_log = logging.getLogger("aiohttp.access") if server_config.log_level == "debug" else None
+    runner = web.AppRunner(app, handle_signals=False, access_log=access_log,
+                           shutdown_timeout=server_config.shutdown_timeout_s)
+    await runner.setup()
+    try:
+        await web.SockSite(runner, sock, backlog=1024).start()
+        print(describe(store_config, server_config, sock), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down: finishing in-flight requests")
+    finally:
+        await runner.cleanup()  # stop accepting, drain in-flight, app cleanup (thread pool)
+
+
+def serve(store_config: StoreConfig, server_config: ServerConfig) -> int:
+    logging.basicConfig(level=server_config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run(store_config, server_config))
+    except ServeError as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,224 @@
+"""The sidecar's wire format: decode and validate request bodies, encode responses.
+
+Requests are msgpack maps (`application/msgpack`); JSON is accepted where the request says
+`application/json` (then `kv` is base64). `tokens` is an array of ints or a `bin` of
+little-endian int32; `kv` is a `bin` of the (L, 2, T, H, D) tensor, viewed in place, never
+copied here. Type errors name their field; range checks that need the model spec (kv length)
+happen in `kv_tensor`, the rest of the semantics (token ranges against the model, page
+bookkeeping) is the store's.
+
+Responses are msgpack, or JSON when the request asked for it (Accept, else Content-Type).
+The fetch response writes the msgpack prefix and then the tensor's own bytes.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+import numpy as np
+import torch
+from aiohttp import web
+
+from api.body import read_exact, read_limited
+from api.framing import FramingError, pack_map_prefix, unpack_map
+from kvstore.codecs import TORCH_DTYPES
+from kvstore.config import ModelSpec
+from kvstore.errors import (InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens,
+                            PayloadTooLarge, UnsupportedMediaType)
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+MSGPACK_TYPES = frozenset({MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
+# A body without a Content-Type (or a generic one) is taken as msgpack: that is the contract.
+DEFAULT_TYPES = frozenset({"", "application/octet-stream"})
+MAX_TOKEN_ID = (1 << 31) - 1  # tokens travel as int32
+
+
+@dataclass(frozen=True)
+class TokensRequest:
+    model: str
+    tokens: Any  # list[int] or a 1-D int32 ndarray viewing the body
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class StoreRequest(TokensRequest):
+    kv: memoryview = memoryview(b"")  # (L, 2, T, H, D) bytes for tokens[start:]
+    dtype: str | None = None
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+async def read_request(request: web.Request, max_body_bytes: int) -> dict[str, Any]:
+    """Read the body once and decode its top-level map (bin fields stay views of the body)."""
+    ctype = request.content_type if request.headers.get("Content-Type") else ""
+    if ctype not in MSGPACK_TYPES and ctype not in DEFAULT_TYPES and ctype != JSON:
+        raise UnsupportedMediaType(f"Content-Type: expected {MSGPACK} or {JSON}, got {ctype!r}", field="Content-Type")
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise PayloadTooLarge(f"body: {length} bytes exceeds the limit of {max_body_bytes} bytes", field="body")
+    body = await (read_exact(request.content, length) if length is not None
+                  else read_limited(request.content, max_body_bytes))
+    return decode_json(body) if ctype == JSON else decode_msgpack(body)
+
+
+def decode_msgpack(body: bytearray | memoryview) -> dict[str, Any]:
+    try:
+        return unpack_map(body)
+    except FramingError as exc:
+        raise InvalidRequest(f"body: {exc}", field="body") from None
+
+
+def decode_json(body: bytearray | memoryview) -> dict[str, Any]:
+    try:
+        obj = json.loads(bytes(body))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"body: malformed JSON: {exc}", field="body") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("body: expected a JSON object", field="body")
+    if isinstance(obj.get("kv"), str):  # JSON has no bytes: kv travels as base64
+        try:
+            obj["kv"] = memoryview(bytearray(base64.b64decode(obj["kv"], validate=True)))
+        except (binascii.Error, ValueError):
+            raise InvalidKV("kv: expected base64 in a JSON body", field="kv") from None
+    return obj
+
+
+# ---- fields ----------------------------------------------------------------------------------
+
+def check_fields(body: dict[str, Any], required: Iterable[str], optional: Iterable[str] = ()) -> None:
+    required = tuple(required)
+    for name in required:
+        if name not in body:
+            raise _error_for(name)(f"{name}: required", field=name)
+    allowed = set(required) | set(optional)
+    for name in body:
+        if name not in allowed:
+            raise InvalidRequest(f"{name}: unknown field (expected {', '.join(sorted(allowed))})", field=name)
+
+
+def model_name(value: Any, field: str = "model") -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidModelName(f"{field}: expected a non-empty string, got {_show(value)}", field=field)
+    return value
+
+
+def tokens(value: Any) -> Any:
+    """An int array or int32 LE bin -> list[int] or a 1-D int32 ndarray (a view, no copy)."""
+    if isinstance(value, memoryview):
+        if value.nbytes % 4:
+            raise InvalidTokens(f"tokens: a bin of int32 needs a multiple of 4 bytes, got {value.nbytes}", field="tokens")
+        arr = np.frombuffer(value, dtype="<i4")
+        if arr.size and int(arr.min()) < 0:
+            raise InvalidTokens(f"tokens: ids must be >= 0, got {int(arr.min())}", field="tokens")
+        return arr
+    if not isinstance(value, list):
+        raise InvalidTokens(f"tokens: expected an array of ints or a bin of int32, got {_show(value)}", field="tokens")
+    for i, tok in enumerate(value):
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            raise InvalidTokens(f"tokens[{i}]: expected an int, got {_show(tok)}", field="tokens")
+        if not 0 <= tok <= MAX_TOKEN_ID:
+            raise InvalidTokens(f"tokens[{i}]: must be in [0, {MAX_TOKEN_ID}], got {tok}", field="tokens")
+    return value
+
+
+def start(value: Any, num_tokens: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidStart(f"start: expected an int, got {_show(value)}", field="start")
+    if not 0 <= value <= num_tokens:
+        raise InvalidStart(f"start: must be in [0, {num_tokens}] (the number of tokens), got {value}", field="start")
+    return value
+
+
+def lookup_request(body: dict[str, Any]) -> TokensRequest:
+    check_fields(body, ("model", "tokens"))
+    return TokensRequest(model_name(body["model"]), tokens(body["tokens"]))
+
+
+def fetch_request(body: dict[str, Any]) -> TokensRequest:
+    check_fields(body, ("model", "tokens"), ("start",))
+    toks = tokens(body["tokens"])
+    return TokensRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)))
+
+
+def store_request(body: dict[str, Any]) -> StoreRequest:
+    check_fields(body, ("model", "tokens", "kv"), ("start", "dtype"))
+    toks = tokens(body["tokens"])
+    kv = body["kv"]
+    if not isinstance(kv, memoryview):
+        raise InvalidKV(f"kv: expected a bin of the (L, 2, T, H, D) tensor, got {_show(kv)}", field="kv")
+    dtype = body.get("dtype")
+    if dtype is not None and dtype not in TORCH_DTYPES:
+        raise InvalidKV(f"dtype: must be one of {', '.join(TORCH_DTYPES)}, got {_show(dtype)}", field="dtype")
+    return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), kv, dtype)
+
+
+def model_spec(body: dict[str, Any]) -> ModelSpec:
+    try:
+        return ModelSpec.from_dict(body)
+    except (ValueError, TypeError) as exc:
+        field = str(exc).split(":", 1)[0] if ":" in str(exc) else None
+        raise InvalidModelSpec(str(exc), field=field) from None
+
+
+def kv_tensor(kv: memoryview, spec: ModelSpec, num_tokens: int, dtype: str | None = None) -> torch.Tensor:
+    """View the kv bytes as the (L, 2, T, H, D) tensor of `spec`, without copying."""
+    if dtype is not None and dtype != spec.dtype:
+        raise InvalidKV(f"kv: dtype {dtype} does not match the model's {spec.dtype}", field="kv")
+    expected = num_tokens * spec.bytes_per_token
+    if kv.nbytes != expected:
+        raise InvalidKV(f"kv: expected {num_tokens} tokens x {spec.bytes_per_token} bytes per token = "
+                        f"{expected} bytes, got {kv.nbytes}", field="kv")
+    if not expected:
+        return torch.empty(spec.kv_shape(0), dtype=TORCH_DTYPES[spec.dtype])
+    return torch.frombuffer(kv, dtype=TORCH_DTYPES[spec.dtype]).view(spec.kv_shape(num_tokens))  # (L, 2, T, H, D)
+
+
+def _error_for(name: str) -> type[InvalidRequest]:
+    return {"tokens": InvalidTokens, "kv": InvalidKV, "start": InvalidStart, "model": InvalidModelName}.get(name, InvalidRequest)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, memoryview):
+        return f"a bin of {value.nbytes} bytes"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def wants_json(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "")
+    if "msgpack" in accept:
+        return False
+    if JSON in accept:
+        return True
+    return request.content_type == JSON or request.method in ("GET", "DELETE") and not accept
+
+
+def respond(request: web.Request, obj: Any, status: int = 200) -> web.Response:
+    if wants_json(request):
+        return web.json_response(obj, status=status)
+    return web.Response(body=msgpack.packb(obj, use_bin_type=True), status=status, content_type=MSGPACK)
+
+
+async def respond_kv(request: web.Request, fields: dict[str, Any], kv: torch.Tensor | None) -> web.StreamResponse:
+    """`{**fields, kv}` with the tensor's bytes written straight to the socket (no re-packing)."""
+    if kv is None:
+        return respond(request, {**fields, "kv": None})
+    raw = kv.contiguous().view(-1).view(torch.uint8).numpy()  # flat bytes of (L, 2, T, H, D)
+    fields = {**fields, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
+    if wants_json(request):
+        return web.json_response({**fields, "kv": base64.b64encode(raw).decode()})
+    prefix = pack_map_prefix(fields, "kv", raw.nbytes)
+    response = web.StreamResponse(headers={"Content-Type": MSGPACK})
+    response.content_length = len(prefix) + raw.nbytes
+    await response.prepare(request)
+    await response.write(prefix)
+    await response.write(memoryview(raw))
+    await response.write_eof()
+    return response

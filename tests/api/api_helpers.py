@@ -1,0 +1,71 @@
+"""Helpers of the sidecar tests: msgpack calls through the aiohttp test client, KV bytes, and
+a live server on a real socket (for the sync client, which must not block the test's loop)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import msgpack
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from api.app import create_app
+from api.config import ServerConfig
+from kvstore import KVStore, ModelSpec
+
+MAX_BODY_BYTES = 1 << 20
+MSGPACK = {"Content-Type": "application/msgpack", "Accept": "application/msgpack"}
+
+
+def random_kv(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[spec.dtype]
+    return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(dtype)  # (L, 2, T, H, D)
+
+
+def kv_bin(kv: torch.Tensor) -> bytes:
+    return kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tokens_bin(tokens: list[int]) -> bytes:
+    return torch.tensor(tokens, dtype=torch.int32).numpy().astype("<i4").tobytes()
+
+
+async def call(http: TestClient, method: str, path: str, body: Any = None, *,
+               raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """Send `body` as msgpack (or `raw` bytes as they are); decode the answer by its type."""
+    data = raw if raw is not None else (msgpack.packb(body, use_bin_type=True) if body is not None else None)
+    resp = await http.request(method, path, data=data, headers=headers if headers is not None else MSGPACK)
+    payload = await resp.read()
+    if resp.content_type == "application/json":
+        return resp.status, json.loads(payload)
+    if resp.content_type == "application/msgpack":
+        return resp.status, msgpack.unpackb(payload, raw=False)
+    return resp.status, payload.decode()
+
+
+class LiveServer:
+    """The app on a real socket, served by an event loop in a background thread."""
+
+    def __init__(self, store: KVStore, config: ServerConfig):
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(create_app(store, config), access_log=None)
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._call(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._call(site.start())
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    def close(self) -> None:
+        self._call(self._runner.cleanup())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
