@@ -30,8 +30,9 @@ class GenerateResult:
     reused_tokens: int  # prompt tokens whose KV came from the store
     computed_tokens: int  # prompt tokens prefilled here; reused + computed = prompt_tokens
     ttft_s: float  # request start -> first token, including lookup, fetch and prefill
-    tpot_s: float | None  # mean time per output token after the first; None with one token
+    tpot_s: float | None  # mean time of a decode step (tokens after the first); None with one token
     fetch_s: float = 0.0  # part of ttft_s spent talking to the store and scattering its KV
+    store_s: float = 0.0  # time spent storing prompt and output (after the first token, not in TPOT)
     stored_tokens: int = 0  # tokens of prompt + output the store holds after this request
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> matched tokens, from lookup
     backend_error: str | None = None  # why the store could not be used, if it could not
@@ -40,7 +41,8 @@ class GenerateResult:
     def summary(self) -> str:
         tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
         return (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, computed {self.computed_tokens}, "
-                f"TTFT {self.ttft_s * 1e3:.1f} ms, TPOT {tpot}, generated {len(self.tokens)}")
+                f"TTFT {self.ttft_s * 1e3:.1f} ms (fetch {self.fetch_s * 1e3:.1f} ms), TPOT {tpot}, "
+                f"store {self.store_s * 1e3:.1f} ms, generated {len(self.tokens)}")
 
 
 def _check_prompt(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor) -> list[int]:
@@ -89,6 +91,7 @@ def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max
 
     # Stored after the first token so it never delays it; the next turn's hit starts here.
     stored = reuse.store(prompt, cache, table, known_tokens=reused) if reuse and store else reused
+    decode_start = time.perf_counter()
     stops = set(stop_token_ids)
     while len(output) < max_new_tokens and output[-1] not in stops:
         pos = n + len(output) - 1  # position of the token being fed (the last one sampled)
@@ -103,11 +106,12 @@ def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max
     if reuse and store and len(output) > 1:
         # The last sampled token was never fed, so its KV does not exist: store up to the one before.
         stored = reuse.store(prompt + output[:-1], cache, table, known_tokens=stored)
+    store_s = (decode_start - first_token_time) + (time.perf_counter() - end_time)
     cache.release(table)
     return GenerateResult(
         tokens=output, prompt_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
         ttft_s=first_token_time - start_time,
-        tpot_s=(end_time - first_token_time) / (len(output) - 1) if len(output) > 1 else None,
-        fetch_s=fetch_s, stored_tokens=stored, tiers=hit.tiers if hit else {},
+        tpot_s=(end_time - decode_start) / (len(output) - 1) if len(output) > 1 else None,
+        fetch_s=fetch_s, store_s=store_s, stored_tokens=stored, tiers=hit.tiers if hit else {},
         backend_error=hit.error if hit else None,
         logits=torch.stack(kept) if kept is not None else None)

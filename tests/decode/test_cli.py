@@ -1,0 +1,51 @@
+"""`kvstore generate` and `kvstore demo` through `decode.cli.register`, as kvstore's CLI wires them."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from decode.cli import register
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_generate_prints_tokens_and_reuses_across_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prompt = ",".join(str(i % 500) for i in range(7, 90))
+    argv = ["generate", "--model", "tiny", "--prompt-tokens", prompt, "--max-new-tokens", "5",
+            "--data-dir", str(tmp_path / "kv")]
+    assert run(argv) == 0
+    first = capsys.readouterr()
+    assert len(first.out.strip().split(",")) == 5 and "reused 0/83" in first.err
+    assert run(argv) == 0  # a new store over the same data dir: the prompt comes back from LMDB
+    second = capsys.readouterr()
+    assert second.out == first.out and "reused 82/83" in second.err
+
+
+def test_generate_reads_a_prompt_file_and_checkpoints(tmp_path: Path, checkpoints: dict[str, Path],
+                                                      capsys: pytest.CaptureFixture) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("5 6 7\n8, 9\n")
+    assert run(["generate", "--model", str(checkpoints["gqa"]), "--prompt-file", str(prompt),
+                "--max-new-tokens", "3"]) == 0
+    assert len(capsys.readouterr().out.strip().split(",")) == 3
+
+
+def test_generate_rejects_bad_tokens(capsys: pytest.CaptureFixture) -> None:
+    assert run(["generate", "--prompt-tokens", "1,x"]) == 2
+    assert run(["generate", "--prompt-tokens", "1,99999"]) == 2
+    assert "prompt_tokens" in capsys.readouterr().err
+
+
+def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("api.client")
+    assert run(["demo", "--turns", "2", "--system-tokens", "64", "--turn-tokens", "8", "--max-new-tokens", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "reused 0;" in lines[1] and "reused 75;" in lines[2]  # 64 + 8 + 4 - 1
+    assert all("same tokens" in line for line in lines[1:])
