@@ -19,6 +19,7 @@ CODECS = ("none", "int8", "fp8")
 COMPRESSIONS = ("none", "zstd")
 DURABILITIES = ("write-back", "write-through")
 MAX_PAGE_SIZE = 4096
+MIN_DISK_BYTES = 1 << 20  # LMDB's own pages need room beyond the records
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -166,6 +167,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes"):
             _check_int(name, getattr(self, name), 0)
+        if 0 < self.disk_bytes < MIN_DISK_BYTES:
+            raise ValueError(f"disk_bytes: must be 0 (no disk tier) or >= {MIN_DISK_BYTES} (1MiB), got {self.disk_bytes}")
         _check_choice("cpu_codec", self.cpu_codec, CODECS)
         _check_choice("disk_codec", self.disk_codec, CODECS)
         _check_choice("disk_compression", self.disk_compression, COMPRESSIONS)

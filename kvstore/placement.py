@@ -22,6 +22,11 @@ from kvstore.index import Node, PageIndex
 from kvstore.policies import POLICIES, EvictionPolicy
 
 
+# A policy name from POLICIES, or a callable that makes one policy for a tier (the eviction
+# benchmark passes its offline Belady policy this way; the store always passes a name).
+PolicyFactory = Callable[[str], EvictionPolicy]
+
+
 class TierMover(Protocol):
     def copy_down(self, node: Node, src: str, dst: str) -> bool:
         """Copy the page from tier `src` to `dst` (room is already made). False: could not."""
@@ -55,13 +60,14 @@ class TierUsage:
 
 
 class Placement:
-    def __init__(self, index: PageIndex, tiers: list[tuple[str, int]], policy: str,
+    def __init__(self, index: PageIndex, tiers: list[tuple[str, int]], policy: str | PolicyFactory,
                  mover: TierMover | None = None,
                  size_in: Callable[[Node, str], int] | None = None):
         self.index = index
         self.order = [name for name, _ in tiers]  # top first
         self.usage = {name: TierUsage(name, capacity) for name, capacity in tiers}
-        self.policies: dict[str, EvictionPolicy] = {name: POLICIES[policy](name) for name in self.order}
+        make_policy: PolicyFactory = POLICIES[policy] if isinstance(policy, str) else policy
+        self.policies: dict[str, EvictionPolicy] = {name: make_policy(name) for name in self.order}
         self.mover = mover or NullMover()
         # Bytes a page takes in a tier (codecs differ per tier); payload-free replays use 1.
         self.size_in = size_in or (lambda node, tier: 1)

@@ -37,7 +37,8 @@ from tiers.disk_cost import disk_record_cost
 
 log = logging.getLogger("kvstore.store")
 
-DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records
+DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
+LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
 MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
 
 
@@ -71,7 +72,7 @@ class KVStore:
                 compression=config.disk_compression, zstd_level=config.zstd_level,
                 sync=config.durability == "write-through", queue_pages=config.disk_writer_queue)
             self._codecs["disk"] = get_codec(config.disk_codec)
-            capacities.append(("disk", int(config.disk_bytes * DISK_FILL_FRACTION)))
+            capacities.append(("disk", int(config.disk_bytes * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES))
         if config.redis_url:
             from tiers.redis import RedisTier
 
@@ -340,6 +341,8 @@ class KVStore:
                     break  # the caller's prefix is no longer cached: nothing after it can chain
                 tier, nbytes, slot = self._reserve(spec, key, e - s)
                 if tier is None:
+                    if not writes:
+                        raise InsufficientStorage("store: no tier has room for a page (every page is pinned)")
                     break
                 node = self._index.insert(parent, key, ptoks)
                 self._placement.pin(node)
@@ -349,8 +352,6 @@ class KVStore:
                 writes.append((node, tier, slot, s, e))
                 parent = node
                 stored_tokens = e
-            if not path and n_tokens > start:
-                raise InsufficientStorage("store: no tier has room for a page (every page is pinned)")
         durable: list[threading.Event] = []
         ok = False
         try:

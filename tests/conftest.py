@@ -1,0 +1,47 @@
+"""Shared fixtures: a tiny model spec and stores on temporary data dirs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore import KVStore, ModelSpec, StoreConfig
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = torch.cuda.is_available()
+    try:
+        import cupy  # noqa: F401
+        has_cupy = True
+    except Exception:
+        has_cupy = False
+    skip = pytest.mark.skip(reason="needs CUDA and CuPy: none on this machine")
+    for item in items:
+        if "gpu" in item.keywords and not (cuda and has_cupy):
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def spec() -> ModelSpec:
+    return ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4)
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    stores: list[KVStore] = []
+
+    def make(**overrides) -> KVStore:
+        fields = {"data_dir": str(tmp_path / "data"), "cpu_bytes": 1 << 20, "disk_bytes": 8 << 20}
+        fields.update(overrides)
+        store = KVStore(StoreConfig(**fields))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def random_kv(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[spec.dtype]
+    return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(dtype)  # (L, 2, T, H, D)

@@ -1,0 +1,166 @@
+"""GPU tier: one preallocated CUDA buffer carved into page slots, plus the two copies that cross
+PCIe (demotion to a host slot, promotion from one), run on the tier's own CUDA stream so they
+overlap the engine's compute on the default stream.
+
+Slots work like the CPU tier's: sized by class (rounded up to `SLOT_ALIGN_BYTES`), a deleted slot
+is reused by the next page of its size, fresh slots are cut from the buffer's untouched end.
+Pages here are raw KV (codec `none`): the store encodes into `allocate`'s view and decodes from
+`get`'s, on the caller's current stream.
+
+The tier knows nothing of policy. `copy_out` / `copy_in` take the destination/source tier's codec
+because quantizing *before* the device->host copy is what halves the PCIe bytes (int8) — the
+store decides when to call them. This module imports without CUDA or CuPy; constructing a tier
+on a machine without a usable GPU raises `GPUUnavailable`.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvstore.codecs import Codec, as_kv
+from kvstore.config import ModelSpec
+from tiers.base import TierFull
+
+SLOT_ALIGN_BYTES = 256  # every slot starts 256-byte aligned: 16-byte vector loads in the kernels
+
+
+class GPUUnavailable(ValueError):
+    """`gpu_bytes > 0` on a machine (or device) where CUDA cannot be used. A configuration error."""
+
+
+def _unavailable_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"device must be a CUDA device, got {device}"
+    try:
+        if not torch.cuda.is_available():
+            return f"torch {torch.__version__} sees no CUDA device"
+        count = torch.cuda.device_count()
+    except Exception as exc:  # a broken driver must be a clear message, not a traceback
+        return f"CUDA failed to initialise ({type(exc).__name__}: {exc})"
+    index = 0 if device.index is None else device.index
+    if index >= count:
+        return f"device cuda:{index} does not exist ({count} CUDA device(s))"
+    return None
+
+
+class GPUTier:
+    name = "gpu"
+
+    def __init__(self, capacity_bytes: int, *, device: str | int | torch.device = "cuda"):
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        device = torch.device(device)
+        reason = _unavailable_reason(device)
+        if reason is not None:
+            raise GPUUnavailable(f"gpu_bytes: {capacity_bytes} > 0 needs a usable CUDA GPU, but {reason}; "
+                                 f"set gpu_bytes=0 to run with the CPU tier on top")
+        if capacity_bytes <= 0:
+            raise ValueError(f"gpu_bytes: must be > 0 for a GPU tier, got {capacity_bytes}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        self.capacity_bytes = capacity_bytes
+        try:
+            self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)  # the slots
+        except torch.OutOfMemoryError as exc:
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise GPUUnavailable(f"gpu_bytes: {capacity_bytes} does not fit on {self.device} "
+                                 f"({free} of {total} bytes free)") from exc
+        self.stream = torch.cuda.Stream(self.device)  # demotion/promotion copies, off the compute stream
+        self._end = 0
+        self._free: dict[int, list[int]] = {}  # slot size -> free offsets
+        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (offset, slot size)
+        self._pending: dict[bytes, torch.cuda.Event] = {}  # key -> last copy on self.stream touching it
+        self.used_bytes = 0
+
+    @staticmethod
+    def slot_bytes(nbytes: int) -> int:
+        return -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+
+    # -- slot protocol (tiers.base.SlotTier) ---------------------------------------------------
+    def allocate(self, key: bytes, nbytes: int) -> torch.Tensor:
+        assert key not in self._slots, "allocate of a key that already has a slot"
+        size = self.slot_bytes(nbytes)
+        free = self._free.get(size)
+        if free:
+            offset = free.pop()
+        elif self._end + size <= self.capacity_bytes:
+            offset = self._end
+            self._end += size
+        else:
+            raise TierFull(f"gpu tier: no free {size}-byte slot ({self.used_bytes} of {self.capacity_bytes} bytes used)")
+        self._slots[key] = (offset, size)
+        self.used_bytes += size
+        return self.buffer[offset:offset + nbytes]
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The slot's bytes; work queued on the caller's current stream sees a promotion's result."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        event = self._pending.get(key)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)  # a GPU-side wait, no host sync
+        offset, size = slot
+        return self.buffer[offset:offset + size]
+
+    def delete(self, key: bytes) -> bool:
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return False
+        event = self._pending.pop(key, None)
+        if event is not None:
+            event.synchronize()  # a copy still reading/writing the slot must finish before reuse
+        offset, size = slot
+        self._free.setdefault(size, []).append(offset)
+        self.used_bytes -= size
+        return True
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self._pending.clear()
+        self._slots.clear()
+        self._free.clear()
+
+    # -- copies across PCIe, on self.stream ------------------------------------------------------
+    def _page(self, key: bytes, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
+        slot = self._slots.get(key)
+        if slot is None:
+            raise KeyError(f"gpu tier: no slot for key {key.hex()}")
+        offset, size = slot
+        nbytes = spec.bytes_per_token * num_tokens
+        assert nbytes <= size, (nbytes, size)
+        return as_kv(spec, self.buffer[offset:offset + nbytes], num_tokens)  # (L, 2, n, H, D)
+
+    def copy_out(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec, dst: torch.Tensor) -> torch.cuda.Event:
+        """Demotion: encode page `key` (n tokens of raw KV) with `codec` *on this GPU*, then copy the
+        encoded bytes into `dst` (host uint8, `codec.encoded_bytes(spec, n)`; pinned for an async
+        copy). Returns the event after which `dst` holds the page; `delete(key)` waits for it."""
+        kv = self._page(key, spec, num_tokens)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the page's writes come first
+        with torch.cuda.stream(self.stream):
+            staged = torch.empty(codec.encoded_bytes(spec, num_tokens), dtype=torch.uint8, device=self.device)
+            codec.encode(spec, kv, staged)
+            dst.copy_(staged, non_blocking=dst.is_pinned())
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._pending[key] = event
+        return event
+
+    def copy_in(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec, src: torch.Tensor) -> torch.cuda.Event:
+        """Promotion: copy `src` (host uint8 encoded by `codec`; pinned for an async copy) to this
+        GPU and decode it into slot `key`, which the caller allocated with
+        `spec.bytes_per_token * n` bytes. Keep `src` unchanged until the returned event completes;
+        `get(key)` makes the caller's stream wait for it."""
+        kv = self._page(key, spec, num_tokens)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            staged = src.to(self.device, non_blocking=src.is_pinned())  # (encoded_bytes,) compact bytes
+            codec.decode(spec, staged, num_tokens, kv)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._pending[key] = event
+        return event
