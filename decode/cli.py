@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
     store.add_argument("--server", help="sidecar URL, e.g. http://127.0.0.1:8100")
     store.add_argument("--data-dir", help="use an in-process store with its disk tier here (persists across runs)")
     gen.add_argument("--token", help="bearer token for a sidecar with auth")
-    gen.set_defaults(func=run_generate)
+    gen.set_defaults(func=run_generate, run=run_generate)  # kvstore/cli.py calls `run`
 
     demo = subparsers.add_parser("demo", help="multi-turn conversation: TTFT per turn with and without reuse")
     _model_args(demo)
@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--turn-tokens", type=int, default=64, help="new user tokens per turn")
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.add_argument("--seed", type=int, default=0, help="seed of the random conversation")
-    demo.set_defaults(func=run_demo)
+    demo.set_defaults(func=run_demo, run=run_demo)
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
