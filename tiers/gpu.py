@@ -59,7 +59,7 @@ class GPUTier:
         self.capacity_bytes = capacity_bytes
         try:
             self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)  # the slots
-        except torch.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:
             free, total = torch.cuda.mem_get_info(self.device)
             raise GPUUnavailable(f"gpu_bytes: {capacity_bytes} does not fit on {self.device} "
                                  f"({free} of {total} bytes free)") from exc
@@ -97,7 +97,10 @@ class GPUTier:
             return None
         event = self._pending.get(key)
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)  # a GPU-side wait, no host sync
+            if event.query():
+                del self._pending[key]
+            else:
+                torch.cuda.current_stream(self.device).wait_event(event)  # a GPU-side wait, no host sync
         offset, size = slot
         return self.buffer[offset:offset + size]
 
