@@ -20,7 +20,8 @@ STORE: web.AppKey[Any] = web.AppKey("store", object)  # a KVStore (kept Any: sto
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
 EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("executor", ThreadPoolExecutor)
 AUTH: web.AppKey[dict[bytes, str]] = web.AppKey("auth", dict)  # bearer token -> tenant; empty = no auth
-TENANT = "kvstore.tenant"  # request key: the tenant of the bearer token, None without auth
+# Request key: the tenant of the bearer token (absent without auth). RequestKey is aiohttp >= 3.13.
+TENANT: Any = web.RequestKey("tenant", str) if hasattr(web, "RequestKey") else "kvstore.tenant"
 
 
 def tenant_of(request: web.Request) -> str | None:

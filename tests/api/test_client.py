@@ -1,0 +1,104 @@
+"""KVStoreClient and AsyncKVStoreClient: the KVStore surface over HTTP, same results, same errors."""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+from api_helpers import random_kv
+
+from api.client import AsyncKVStoreClient, KVStoreClient
+from kvstore import ModelSpec
+from kvstore.backend import KVCacheBackend
+from kvstore.errors import BackendUnavailable, InvalidKV, InvalidStart, InvalidTokens, ModelConflict, ModelNotFound
+from kvstore.results import FetchResult, LookupResult, StoreResult
+
+
+def test_sync_client_mirrors_the_store(live_server, store, spec: ModelSpec):
+    with KVStoreClient(live_server.url) as client:
+        assert isinstance(client, KVCacheBackend)
+        assert client.register_model("m", spec) == spec
+        kv = random_kv(spec, 10)
+        assert client.store("m", list(range(10)), kv) == StoreResult(stored_tokens=10, new_pages=3)
+        lookup = client.lookup("m", torch.arange(12))
+        assert lookup == store.lookup("m", list(range(12))) and isinstance(lookup, LookupResult)
+        fetched = client.fetch("m", np.arange(10, dtype=np.int32), start=2)
+        assert isinstance(fetched, FetchResult) and fetched.matched_tokens == 10
+        assert fetched.kv.dtype == torch.float16 and torch.equal(fetched.kv, kv[:, :, 2:])
+        assert client.get_spec("m") == spec
+        assert client.stats()["tiers"]["cpu"]["pages"] == 3
+        assert client.drop_model("m") == 3
+
+
+def test_sync_client_extends_with_start_and_reuses_its_connection(live_server, spec: ModelSpec):
+    with KVStoreClient(live_server.url) as client:
+        client.register_model("m", spec)
+        kv = random_kv(spec, 8, seed=3)
+        client.store("m", list(range(4)), kv[:, :, :4])
+        client.store("m", list(range(8)), kv[:, :, 4:].numpy(), start=4)
+        for _ in range(20):
+            assert torch.equal(client.fetch("m", list(range(8))).kv, kv)
+        assert len(client._idle) == 1  # one connection served every call
+
+
+def test_sync_client_raises_the_store_errors(live_server, spec: ModelSpec):
+    with KVStoreClient(live_server.url) as client:
+        with pytest.raises(ModelNotFound, match="nope"):
+            client.lookup("nope", [1])
+        client.register_model("m", spec)
+        with pytest.raises(ModelConflict):
+            client.register_model("m", ModelSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4))
+        with pytest.raises(InvalidKV, match="kv"):
+            client.store("m", [1, 2, 3], random_kv(spec, 2))
+        with pytest.raises(InvalidKV, match="dtype"):
+            client.store("m", [1, 2], random_kv(spec, 2).float())
+        with pytest.raises(InvalidStart, match="start"):
+            client.fetch("m", [1, 2], start=5)
+        with pytest.raises(InvalidTokens, match="tokens"):
+            client.lookup("m", [1.5, 2.0])
+        with pytest.raises(ValueError, match="tenant"):
+            client.lookup("m", [1], tenant="alice")
+        assert client.lookup("m", [1, 2, 3]).matched_tokens == 0  # nothing partly stored
+
+
+def test_unreachable_server_is_backend_unavailable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=2) as client:
+        with pytest.raises(BackendUnavailable, match=str(port)):
+            client.stats()
+
+
+def test_timeout_is_backend_unavailable():
+    with socket.socket() as listener:  # accepts, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with KVStoreClient(url, timeout_s=0.3) as client:
+            with pytest.raises(BackendUnavailable, match="timed out"):
+                client.stats()
+
+
+async def test_async_client_mirrors_the_store(live_server, spec: ModelSpec):
+    async with AsyncKVStoreClient(live_server.url) as client:
+        assert await client.register_model("m", spec) == spec
+        kv = random_kv(spec, 6, seed=1)
+        assert (await client.store("m", list(range(6)), kv)).stored_tokens == 6
+        assert (await client.lookup("m", list(range(6)))).matched_tokens == 6
+        fetched = await client.fetch("m", list(range(6)), start=1)
+        assert torch.equal(fetched.kv, kv[:, :, 1:])
+        with pytest.raises(ModelNotFound):
+            await client.fetch("nope", [1])
+        assert (await client.stats())["tiers"]["cpu"]["pages"] == 2
+        assert await client.drop_model("m") == 2
+
+
+async def test_async_client_unreachable_is_backend_unavailable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with AsyncKVStoreClient(f"http://127.0.0.1:{port}", timeout_s=2) as client:
+        with pytest.raises(BackendUnavailable):
+            await client.stats()
