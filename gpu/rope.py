@@ -110,16 +110,21 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: st
 def apply_rope_ref(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float, style: str,
                    rope_scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
     """RoPE of x (..., T, H, D) at `positions` (an int for all tokens, or (T,) ints)."""
+    return _rope_ref(x, positions, "positions", theta, style, rope_scaling)
+
+
+def _rope_ref(x: torch.Tensor, positions: int | torch.Tensor, name: str, theta: float, style: str,
+              rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
     _check(x, style, "x")
     T, D = x.shape[-3], x.shape[-1]
-    cos, sin = rope_cos_sin(_positions(positions, T, x.device, "positions"), inv_freq(D, theta, rope_scaling).to(x.device))
+    cos, sin = rope_cos_sin(_positions(positions, T, x.device, name), inv_freq(D, theta, rope_scaling).to(x.device))
     return _rotate_ref(x, cos, sin, style)
 
 
 def rope_rerotate_ref(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, style: str,
                       rope_scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
     """K (..., T, H, D) rotated at positions p -> the same K rotated at p + delta (int or (T,))."""
-    return apply_rope_ref(k, delta, theta=theta, style=style, rope_scaling=rope_scaling)
+    return _rope_ref(k, delta, "delta", theta, style, rope_scaling)
 
 
 def rope_rerotate(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, style: str,
