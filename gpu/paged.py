@@ -100,6 +100,15 @@ def _layer_views(cache: PagedKV, layout: PagedLayout) -> list[torch.Tensor]:
     return [cache[:, layer, kv] for layer in range(layout.num_layers) for kv in (0, 1)]
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as integers: copies are bit-exact and work for every dtype (fp8 included,
+    whose index kernels torch does not always have)."""
+    return t.view(_BITS[t.dtype.itemsize])
+
+
 def gather_pages_ref(cache: PagedKV, block_ids: torch.Tensor | Sequence[int],
                      num_tokens: int | None = None) -> torch.Tensor:
     """Contiguous KV (L, 2, T, H, D) of the tokens in `block_ids`' blocks (T defaults to n*P)."""
@@ -107,8 +116,9 @@ def gather_pages_ref(cache: PagedKV, block_ids: torch.Tensor | Sequence[int],
     ids, T = _check_ids(layout, block_ids, num_tokens)
     _check_bounds(ids, layout.num_blocks, unique=False)
     block, slot = _token_slots(ids, T, layout.page_size)
-    rows = [view[block, slot] for view in _layer_views(cache, layout)]  # 2L x (T, H, D)
-    return torch.stack(rows).view(layout.num_layers, 2, T, layout.num_heads, layout.head_dim)
+    rows = [_bits(view)[block, slot] for view in _layer_views(cache, layout)]  # 2L x (T, H, D)
+    kv = torch.stack(rows).view(layout.num_layers, 2, T, layout.num_heads, layout.head_dim)
+    return kv.view(layout.dtype)
 
 
 def scatter_pages_ref(kv: torch.Tensor, cache: PagedKV, block_ids: torch.Tensor | Sequence[int]) -> None:
@@ -119,7 +129,7 @@ def scatter_pages_ref(kv: torch.Tensor, cache: PagedKV, block_ids: torch.Tensor 
     _check_bounds(ids, layout.num_blocks, unique=True)
     block, slot = _token_slots(ids, T, layout.page_size)
     for lk, view in enumerate(_layer_views(cache, layout)):
-        view[block, slot] = kv[lk // 2, lk % 2].to(view.device)  # index_put_ writes through the view
+        _bits(view)[block, slot] = _bits(kv[lk // 2, lk % 2]).to(view.device)  # index_put_ writes through
 
 
 def _check_kv(kv: torch.Tensor, layout: PagedLayout, name: str) -> None:
