@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from kvstore.config import ModelSpec
+from kvstore.copy import copy_into
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -45,10 +46,10 @@ class NoneCodec:
         return spec.bytes_per_token * num_tokens
 
     def encode(self, spec: ModelSpec, kv: torch.Tensor, out: torch.Tensor) -> None:
-        as_kv(spec, out, kv.shape[2]).copy_(kv)
+        copy_into(as_kv(spec, out, kv.shape[2]), kv)
 
     def decode(self, spec: ModelSpec, data: torch.Tensor, num_tokens: int, out: torch.Tensor) -> None:
-        out.copy_(as_kv(spec, data, num_tokens))
+        copy_into(out, as_kv(spec, data, num_tokens))
 
 
 CODECS: dict[str, Codec] = {"none": NoneCodec()}

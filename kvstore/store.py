@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
+from kvstore.copy import copy_into
 from kvstore.config import DTYPE_BYTES, ModelSpec, StoreConfig
 from kvstore.errors import InsufficientStorage, InvalidModelSpec
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
@@ -227,7 +228,7 @@ class KVStore:
                     matched = first
                     break
                 if page is not True:
-                    out[:, :, lo - start:first + used - start].copy_(page[:, :, lo - first:used])
+                    copy_into(out[:, :, lo - start:first + used - start], page[:, :, lo - first:used])
                 if tier != self._top and self.config.promote_on_hit and lo == first:
                     promote.append((node, out[:, :, lo - start:first + used - start] if page is True else page))
         finally:
