@@ -33,11 +33,11 @@ if ! "$py" -c 'import cupy' 2>/dev/null; then
 fi
 
 # --confcutdir keeps tests/conftest.py (which builds whole stores, needing lmdb & co.) out of this run.
-timeout 150 "$py" -m pytest tests/gpu -q -rs -p no:cacheprovider --confcutdir=tests/gpu \
+timeout 100 "$py" -m pytest tests/gpu -q -rs -p no:cacheprovider --confcutdir=tests/gpu \
   --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout 150 "$py" bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+timeout 120 "$py" bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
 bench_rc=${PIPESTATUS[0]}
 
 echo "gpu_check: tests exit $tests_rc, bench exit $bench_rc; results in $out"
