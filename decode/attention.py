@@ -46,9 +46,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     """
     k_pool.index_copy_(0, ctx.write_slots, k)
     v_pool.index_copy_(0, ctx.write_slots, v)
-    keys = k_pool.index_select(0, ctx.read_slots).transpose(0, 1)  # (H, S, D)
-    values = v_pool.index_select(0, ctx.read_slots).transpose(0, 1)  # (H, S, D)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=ctx.mask,
+    keys = k_pool.index_select(0, ctx.read_slots).transpose(0, 1)[None]  # (1, H, S, D)
+    values = v_pool.index_select(0, ctx.read_slots).transpose(0, 1)[None]  # (1, H, S, D)
+    # 4-D inputs on purpose: torch's CPU flash-attention kernel only takes batched input; 3-D
+    # falls back to the math path, which materialises (Hq, T, S) scores (2 GiB at 8k tokens).
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=ctx.mask,
                                          is_causal=ctx.causal and ctx.mask is None, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])  # (Hq, T, D)
-    return out.transpose(0, 1)
+                                         enable_gqa=q.shape[1] != k.shape[1])  # (1, Hq, T, D)
+    return out[0].transpose(0, 1)
