@@ -15,7 +15,7 @@ Not thread-safe: the store calls it under its lock.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from kvstore.index import Node, PageIndex
@@ -56,13 +56,14 @@ class TierUsage:
     evictions: int = 0  # pages that left this tier to make room
     demotions: int = 0  # of those, pages copied to a lower tier
     promotions: int = 0  # pages copied into this tier from a lower one on a hit
-    extra: dict = field(default_factory=dict)
+    saved_bytes: int = 0  # bytes the tier's codec saves against raw KV of the same pages
 
 
 class Placement:
     def __init__(self, index: PageIndex, tiers: list[tuple[str, int]], policy: str | PolicyFactory,
                  mover: TierMover | None = None,
-                 size_in: Callable[[Node, str], int] | None = None):
+                 size_in: Callable[[Node, str], int] | None = None,
+                 raw_size_in: Callable[[Node, str], int] | None = None):
         self.index = index
         self.order = [name for name, _ in tiers]  # top first
         self.usage = {name: TierUsage(name, capacity) for name, capacity in tiers}
@@ -71,6 +72,8 @@ class Placement:
         self.mover = mover or NullMover()
         # Bytes a page takes in a tier (codecs differ per tier); payload-free replays use 1.
         self.size_in = size_in or (lambda node, tier: 1)
+        # What the page would take in the tier without its codec (for `saved_bytes`).
+        self.raw_size_in = raw_size_in or self.size_in
         self.dropped_pages = 0  # pages that left every tier
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -80,6 +83,7 @@ class Placement:
         usage = self.usage[tier]
         usage.used_bytes += nbytes
         usage.pages += 1
+        usage.saved_bytes += self.raw_size_in(node, tier) - nbytes
         parent = node.parent
         if parent is not None and not parent.is_root:
             parent.tier_kids[tier] = parent.tier_kids.get(tier, 0) + 1
@@ -90,6 +94,7 @@ class Placement:
         usage = self.usage[tier]
         usage.used_bytes -= nbytes
         usage.pages -= 1
+        usage.saved_bytes -= self.raw_size_in(node, tier) - nbytes
         self.policies[tier].remove(node)
         self.mover.release(node, tier)
         parent = node.parent

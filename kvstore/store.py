@@ -80,7 +80,8 @@ class KVStore:
             self._record_tiers["redis"] = RedisTier(config)
             self._codecs["redis"] = get_codec(config.disk_codec)
             capacities.append(("redis", 1 << 62))  # Redis' own maxmemory policy bounds it
-        self._placement = Placement(self._index, capacities, config.policy, mover=self, size_in=self._size_in)
+        self._placement = Placement(self._index, capacities, config.policy, mover=self, size_in=self._size_in,
+                                    raw_size_in=self._raw_size_in)
         self._top = capacities[0][0]
         self._clock = 0
         self._counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
@@ -454,6 +455,15 @@ class KVStore:
         if spec is None:
             return False
         n = node.num_tokens
+        if src == "gpu" and dst in self._slot_tiers:
+            # Quantize on the device (when the lower tier's codec asks for it) before the
+            # device->host copy: only the compact bytes cross PCIe.
+            slot = self._allocate(dst, node.key, self._size_in(node, dst))
+            if slot is None:
+                return False
+            codec = self._codecs[dst]
+            self._slot_tiers["gpu"].copy_out(node.key, spec, n, codec, slot[:codec.encoded_bytes(spec, n)]).synchronize()
+            return True
         if src in self._slot_tiers:
             data = self._slot_tiers[src].get(node.key)[:self._codecs[src].encoded_bytes(spec, n)]
         else:
@@ -484,14 +494,22 @@ class KVStore:
 
     # -- sizes -----------------------------------------------------------------------------
     def _size_in(self, node: Node, tier: str) -> int:
-        spec = self._registry.specs_by_namespace[node.namespace]
+        spec = self._registry.specs_by_namespace.get(node.namespace)
+        if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
+            return node.tiers.get(tier, 1 << 62)
         return self._size_for(_SizeProbe(spec, node.num_tokens), tier)
 
-    def _size_for(self, probe: "_SizeProbe", tier: str) -> int:
-        codec = self._codecs[tier]
+    def _raw_size_in(self, node: Node, tier: str) -> int:
+        spec = self._registry.specs_by_namespace.get(node.namespace)
+        if spec is None:  # pages on disk of a model nobody registered since the restart
+            return node.tiers.get(tier, 0)
+        return self._size_for(_SizeProbe(spec, node.num_tokens), tier, codec=get_codec("none"))
+
+    def _size_for(self, probe: "_SizeProbe", tier: str, codec: Codec | None = None) -> int:
+        codec = codec or self._codecs[tier]
         if tier in self._slot_tiers:
             # Slots are sized for a full page, so tail pages and full pages share slots.
-            return CPUTier.slot_bytes(codec.encoded_bytes(probe.spec, probe.spec.page_size))
+            return self._slot_tiers[tier].slot_bytes(codec.encoded_bytes(probe.spec, probe.spec.page_size))
         return disk_record_cost(codec.encoded_bytes(probe.spec, probe.num_tokens), probe.num_tokens)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -577,7 +595,7 @@ class KVStore:
                 tiers[name] = {"pages": u.pages, "bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                "hits": u.hits, "misses": u.misses, "evictions": u.evictions,
                                "demotions": u.demotions, "promotions": u.promotions,
-                               "codec": self._codecs[name].name}
+                               "codec": self._codecs[name].name, "saved_bytes": u.saved_bytes}
             corrupt = sum(getattr(t, "corrupt_records", 0) for t in self._record_tiers.values())
             return {"tiers": tiers, "pages": len(self._index), "corrupt_records": corrupt,
                     "dropped_pages": self._placement.dropped_pages, "policy": self.config.policy,

@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config, items):
         has_cupy = False
     skip = pytest.mark.skip(reason="needs CUDA and CuPy: none on this machine")
     for item in items:
-        if "gpu" in item.keywords and not (cuda and has_cupy):
+        if item.get_closest_marker("gpu") is not None and not (cuda and has_cupy):
             item.add_marker(skip)
 
 
