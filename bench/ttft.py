@@ -1,0 +1,228 @@
+"""Time to first token of the decode loop: full prefill vs a prefix hit, per tier and via the sidecar.
+
+    python bench/ttft.py [--lengths 1024,4096,8192] [--json out.json] [--server URL]
+
+For each prompt length T: TTFT of a full prefill (no store), then TTFT when the store holds all
+but the last page (T - P tokens reused, P computed), served by
+  - cpu:     an in-process `KVStore` with only a CPU tier,
+  - disk:    an in-process `KVStore` with only an LMDB tier (read through the OS page cache, as a
+             warm disk tier is),
+  - sidecar: `kvstore serve` in a subprocess (CPU tier) through `KVStoreClient` over loopback,
+             or the sidecar at `--server`.
+Every ratio is hit TTFT / full-prefill TTFT of the same run; medians of `--repeats` runs.
+Then the break-even prefix: for prefixes of 16..1024 tokens plus one computed page, the
+shortest prefix from which fetching beats computing, per backend. Also bytes fetched per second
+(KV bytes reused / time spent in lookup + fetch + scatter).
+
+The model is random (decode.tiny_model with a bench-sized LlamaArch): TTFT does not depend on
+what the weights say. Targets at 8k tokens: in-process <= 0.1x full prefill, sidecar <= 0.2x.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from decode import LlamaArch, LlamaModel, generate, tiny_model  # noqa: E402
+from kvstore.config import StoreConfig  # noqa: E402
+from kvstore.store import KVStore  # noqa: E402
+
+# Prefill-dominated on a CPU, yet a whole run stays under 5 minutes on 2 cores: 4:1 GQA, fp32,
+# 4 KiB of KV per token (8k tokens = 32 MiB per fetch).
+ARCH = LlamaArch(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
+                 num_kv_heads=2, head_dim=64, dtype="float32")
+TARGETS = {"cpu": 0.1, "disk": 0.1, "sidecar": 0.2}  # max hit/full TTFT ratio at 8k tokens
+BREAK_EVEN_PREFIXES = (16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class Row:
+    length: int  # prompt tokens
+    backend: str
+    full_ttft_s: float  # median TTFT of a full prefill of the same prompt length
+    ttft_s: float  # median TTFT with the hit
+    ratio: float  # ttft_s / full_ttft_s
+    reused_tokens: int
+    fetch_s: float  # median time in lookup + fetch + scatter
+    fetch_bytes: int
+    fetch_gb_per_s: float  # 10^9 bytes / s
+
+
+def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                             "--data-dir", str(tmp / "sidecar"), "--cpu-bytes", "2GiB", "--disk-bytes", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    found = re.search(r"http://[\d.]+:\d+", proc.stdout.readline())
+    if not found:
+        proc.kill()
+        raise SystemExit("bench/ttft.py: kvstore serve did not start")
+    return proc, found.group(0)
+
+
+def random_tokens(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, ARCH.vocab_size, (n,), generator=gen).tolist()
+
+
+def other_page(gen: torch.Generator, prompt: list[int], at: int, page: int) -> list[int]:
+    """`page` fresh tokens to put at `at`, differing from prompt[at] so the match stops exactly there."""
+    fresh = random_tokens(gen, page)
+    if at < len(prompt) and fresh[0] == prompt[at]:
+        fresh[0] = (fresh[0] + 1) % ARCH.vocab_size
+    return fresh
+
+
+def seed(model: LlamaModel, backends: dict[str, Any], source: KVStore, prompt: list[int]) -> None:
+    """Put the prompt's KV (already in `source`) into every other backend, without recomputing it."""
+    kv = source.fetch(model.name, prompt).kv  # (L, 2, T, H, D)
+    for backend in backends.values():
+        if backend is not source:
+            backend.register_model(model.name, model.spec)
+            backend.store(model.name, prompt, kv)
+
+
+def median_runs(fn: Callable[[], Any], repeats: int, bar: tqdm) -> list[Any]:
+    out = []
+    for _ in range(repeats):
+        out.append(fn())
+        bar.update(1)
+    return out
+
+
+def measure_length(model: LlamaModel, backends: dict[str, Any], gen: torch.Generator, length: int, repeats: int,
+                   full_repeats: int, bar: tqdm) -> list[Row]:
+    page = model.spec.page_size
+    prompt = random_tokens(gen, length)
+    cpu = backends["cpu"]
+    generate(model, prompt, 1, backend=cpu)  # computes and stores the prompt (a miss)
+    bar.update(1)
+    seed(model, backends, cpu, prompt)
+    hit_prompt = prompt[:length - page] + other_page(gen, prompt, length - page, page)
+    full = median_runs(lambda: generate(model, hit_prompt, 1), full_repeats, bar)
+    full_ttft = statistics.median(r.ttft_s for r in full)
+    rows = []
+    for name, backend in backends.items():
+        hits = median_runs(lambda: generate(model, hit_prompt, 1, backend=backend, store=False), repeats, bar)
+        reused = hits[0].reused_tokens
+        assert reused == length - page and sum(hits[0].tiers.values()) == reused, (name, reused, hits[0].tiers)
+        ttft = statistics.median(r.ttft_s for r in hits)
+        fetch_s = statistics.median(r.fetch_s for r in hits)
+        nbytes = reused * model.spec.bytes_per_token
+        rows.append(Row(length, name, full_ttft, ttft, ttft / full_ttft, reused, fetch_s, nbytes, nbytes / fetch_s / 1e9))
+    return rows
+
+
+def break_even(model: LlamaModel, backends: dict[str, Any], gen: torch.Generator, repeats: int,
+               bar: tqdm) -> dict[str, Any]:
+    """Per backend: the shortest prefix (of BREAK_EVEN_PREFIXES) from which reuse is faster for it
+    and every longer prefix, plus the raw medians."""
+    page = model.spec.page_size
+    curve: dict[str, list[tuple[int, float, float]]] = {name: [] for name in backends}
+    for prefix in BREAK_EVEN_PREFIXES:
+        prompt = random_tokens(gen, prefix + page)
+        generate(model, prompt, 1, backend=backends["cpu"])
+        seed(model, backends, backends["cpu"], prompt)
+        query = prompt[:prefix] + other_page(gen, prompt, prefix, page)
+        full = statistics.median(r.ttft_s for r in median_runs(lambda: generate(model, query, 1), repeats, bar))
+        for name, backend in backends.items():
+            runs = median_runs(lambda: generate(model, query, 1, backend=backend, store=False), repeats, bar)
+            curve[name].append((prefix, full, statistics.median(r.ttft_s for r in runs)))
+        bar.update(1)
+    result: dict[str, Any] = {}
+    for name, points in curve.items():
+        paying = [p for p, full, hit in points if hit < full]
+        first = next((p for p, _, _ in points if all(q in paying for q, _, _ in points if q >= p)), None)
+        result[name] = {"break_even_prefix_tokens": first,
+                        "points": [{"prefix": p, "full_ttft_s": f, "hit_ttft_s": h} for p, f, h in points]}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1024,4096,8192", help="comma-separated prompt lengths")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per hit measurement (median)")
+    parser.add_argument("--full-repeats", type=int, default=2, help="runs per full-prefill measurement (median)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--server", help="use this sidecar instead of starting `kvstore serve`")
+    parser.add_argument("--no-sidecar", action="store_true", help="in-process tiers only")
+    parser.add_argument("--no-break-even", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = tiny_model(arch=ARCH, page_size=args.page_size, name="bench-ttft")
+    gen = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-ttft-")))
+        backends: dict[str, Any] = {
+            "cpu": stack.enter_context(KVStore(StoreConfig(data_dir=None, cpu_bytes=2 << 30, disk_bytes=0))),
+            "disk": stack.enter_context(KVStore(StoreConfig(data_dir=str(tmp / "disk"), cpu_bytes=0,
+                                                            disk_bytes=4 << 30))),
+        }
+        if not args.no_sidecar:
+            from api.client import KVStoreClient
+
+            url = args.server
+            if url is None:
+                proc, url = start_sidecar(tmp)
+                stack.callback(lambda: (proc.terminate(), proc.wait(timeout=30)))
+            backends["sidecar"] = stack.enter_context(KVStoreClient(url))
+        for backend in backends.values():  # warm up torch, connections and registration
+            warm = random_tokens(gen, 64)
+            generate(model, warm, 1, backend=backend)
+            generate(model, warm, 1, backend=backend)
+
+        steps = len(lengths) * (1 + args.full_repeats + len(backends) * args.repeats)
+        if not args.no_break_even:
+            steps += len(BREAK_EVEN_PREFIXES) * (1 + args.repeats * (1 + len(backends)))
+        rows: list[Row] = []
+        with tqdm(total=steps, desc="ttft", unit="run", file=sys.stderr) as bar:
+            for length in lengths:
+                for row in measure_length(model, backends, gen, length, args.repeats, args.full_repeats, bar):
+                    rows.append(row)
+                    bar.write(f"T={row.length:5d} {row.backend:7s}: TTFT {row.ttft_s * 1e3:8.1f} ms vs full prefill "
+                              f"{row.full_ttft_s * 1e3:8.1f} ms = {row.ratio:.4f}x  (reused {row.reused_tokens}, "
+                              f"fetch {row.fetch_bytes / 2**20:.1f} MiB in {row.fetch_s * 1e3:.1f} ms = "
+                              f"{row.fetch_gb_per_s:.2f} GB/s)")
+            even = {} if args.no_break_even else break_even(model, backends, gen, args.repeats, bar)
+        for name, info in even.items():
+            print(f"break-even {name:7s}: reuse pays from a {info['break_even_prefix_tokens']}-token prefix "
+                  f"(tested {BREAK_EVEN_PREFIXES[0]}..{BREAK_EVEN_PREFIXES[-1]}, one computed page)")
+    longest = max(lengths)
+    verdicts = {r.backend: r.ratio <= TARGETS[r.backend] for r in rows if r.length == longest and longest >= 8192}
+    for name, ok in verdicts.items():
+        print(f"target at {longest} tokens, {name}: ratio <= {TARGETS[name]} {'met' if ok else 'MISSED'}")
+    elapsed = time.perf_counter() - started
+    print(f"model: {ARCH.num_layers} layers, hidden {ARCH.hidden_size}, {ARCH.num_heads}:{ARCH.num_kv_heads} GQA, "
+          f"{ARCH.num_params / 1e6:.0f} M params, fp32, {model.spec.bytes_per_token} B KV/token; "
+          f"torch threads {torch.get_num_threads()}; {elapsed:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": {**asdict(ARCH), "rope_scaling": None, "params": ARCH.num_params,
+                      "page_size": model.spec.page_size, "kv_bytes_per_token": model.spec.bytes_per_token},
+            "torch_threads": torch.get_num_threads(), "elapsed_s": elapsed,
+            "rows": [asdict(r) for r in rows], "break_even": even,
+            "targets": {"length": longest, "max_ratio": TARGETS, "met": verdicts}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
