@@ -10,6 +10,10 @@ in parallel and a pinned page's bytes cannot be reused under them.
     fetch  -> match and pin under the lock -> decode pages into one output tensor outside it
            -> promote lower-tier hits to the top tier, unpin
 
+With a shared Redis tier, lookup and fetch first probe Redis (outside the lock) for the chained
+keys of the pages past the local match, which other sidecars stored, and add those to the tree
+as held in "redis"; store writes every new page through to Redis (write-behind, not waited for).
+
 Placement of a new page: the top configured tier (gpu, else cpu, else disk) that can make room.
 """
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -41,6 +45,7 @@ log = logging.getLogger("kvstore.store")
 DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
 LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
 MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
+READ_BATCH_BYTES = 64 << 20  # a batching record tier (Redis) reads up to this much per round trip
 
 
 class KVStore:
@@ -168,19 +173,24 @@ class KVStore:
         """How many leading tokens the store holds, and which tier would serve them."""
         with self._lock:
             entry = self._model(model, tenant)
-            tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        self._probe_shared(entry.namespace, entry.spec, tb)
+        with self._lock:
             self._drain_lost_copies()
             match = self._index.match(entry.namespace, tb, entry.spec.page_size)
+            shared = self._record_tiers.get("redis")
             tiers: dict[str, int] = {}
             done = 0
             for node in match.path:
                 used = min(node.num_tokens, match.matched_tokens - done)
                 tier = self._source_tier(node)
+                if tier == "redis" and not shared.available:
+                    break  # Redis is unreachable: a fetch could not serve these pages now
                 tiers[tier] = tiers.get(tier, 0) + used
                 done += used
             self._counters["lookups"] += 1
-            self._counters["lookup_hit_tokens"] += match.matched_tokens
-            return LookupResult(match.matched_tokens, tiers)
+            self._counters["lookup_hit_tokens"] += done
+            return LookupResult(done, tiers)
 
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
@@ -194,6 +204,7 @@ class KVStore:
 
     def _fetch(self, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
                *, count: bool = True) -> FetchResult:
+        self._probe_shared(root_key, spec, tb)
         with self._lock:
             self._drain_lost_copies()
             match = self._index.match(root_key, tb, spec.page_size)
@@ -220,12 +231,18 @@ class KVStore:
         out = torch.empty(spec.kv_shape(match.matched_tokens - start), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, T, H, D)
         matched = match.matched_tokens
         promote: list[tuple[Node, torch.Tensor]] = []
+        lost: list[tuple[Node, str]] = []  # record copies that could not be read
+        records: dict[bytes, PageRecord | None] = {}
         try:
-            for node, first, used, tier, slot in reads:
+            for i, (node, first, used, tier, slot) in enumerate(reads):
                 lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page
-                page = self._read_page(spec, node, tier, slot, whole=(lo == first and used == node.num_tokens),
+                if slot is None and node.key not in records:
+                    records = self._read_records(reads, i)
+                page = self._read_page(spec, node, tier, slot, records.pop(node.key, None),
+                                       whole=(lo == first and used == node.num_tokens),
                                        out=out[:, :, lo - start:first + used - start])
-                if page is None:  # the copy went bad (corrupt record): serve what came before it
+                if page is None:  # the copy went bad (corrupt, evicted by Redis, unreachable): serve what came before it
+                    lost.append((node, tier))
                     matched = first
                     break
                 if page is not True:
@@ -238,6 +255,9 @@ class KVStore:
                     self._promote(spec, node, kv)
                 for node in match.path:
                     self._placement.unpin(node)
+                for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
+                    if self._index.get(node.key) is node:
+                        self._placement.remove_from(node, tier)
                 self._drain_lost_copies()
         if count:
             self._counters["fetched_tokens"] += max(0, matched - start)
@@ -245,17 +265,36 @@ class KVStore:
             return FetchResult(matched, self._empty_kv(spec, dev))
         return FetchResult(matched, out[:, :, :matched - start])
 
+    def _read_records(self, reads: list, i: int) -> dict[bytes, PageRecord | None]:
+        """The record of reads[i] and, from a tier that batches reads (Redis: one pipelined round
+        trip), of the following reads in that tier, up to READ_BATCH_BYTES. Outside the lock."""
+        node, tier = reads[i][0], reads[i][3]
+        record_tier = self._record_tiers[tier]
+        get_many = getattr(record_tier, "get_many", None)
+        if get_many is None:
+            return {node.key: record_tier.get(node.key)}
+        keys: list[bytes] = []
+        nbytes = 0
+        for later, _, _, later_tier, slot in reads[i:]:
+            if later_tier != tier or slot is not None or nbytes >= READ_BATCH_BYTES:
+                break
+            keys.append(later.key)
+            nbytes += later.tiers.get(tier, 0)
+        return dict(zip(keys, get_many(keys)))
+
     def _read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
-                   whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:
-        """Decode one page. True: decoded straight into `out`; a tensor: the whole page
-        (L, 2, n, H, D) for the caller to slice; None: the page is gone (a miss from here)."""
+                   record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:
+        """Decode one page from its slot or its record. True: decoded straight into `out`; a
+        tensor: the whole page (L, 2, n, H, D) for the caller to slice; None: the page is gone
+        (a miss from here). A record must carry the node's token ids (a shared tier's key is
+        found by hash: a collision or a foreign value is a miss, never wrong KV)."""
         codec = self._codecs[tier]
         n = node.num_tokens
         if slot is not None:
             data = slot[:codec.encoded_bytes(spec, n)]
         else:
-            record = self._record_tiers[tier].get(node.key)
-            if record is None or record.codec != codec.name or record.shape != spec.kv_shape(n):
+            if record is None or record.codec != codec.name or record.shape != spec.kv_shape(n) \
+                    or bytes(record.tokens) != node.tokens:
                 return None
             data = _byte_tensor(record.payload)
         if whole:
@@ -355,6 +394,8 @@ class KVStore:
                 parent = node
                 stored_tokens = e
         durable: list[threading.Event] = []
+        shared = self._record_tiers.get("redis")
+        shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
         ok = False
         try:
             for node, tier, slot, s, e in writes:
@@ -363,6 +404,8 @@ class KVStore:
                     self._codecs[tier].encode(spec, page_kv, slot[:self._codecs[tier].encoded_bytes(spec, e - s)])
                 else:
                     durable.append(self._record_tiers[tier].put(self._record(spec, node, tier, kv=page_kv)))
+                if shared is not None and tier != "redis" and shared.available:
+                    shares.append((node, self._record(spec, node, "redis", kv=page_kv)))
             ok = True
         finally:
             with self._lock:
@@ -376,6 +419,10 @@ class KVStore:
                                 durable.append(event)
                     else:
                         self._placement.remove_from(node, tier)
+                for node, record in shares:  # queued, never waited for: Redis must not slow stores
+                    if ok and node.ready and node.tiers and "redis" not in node.tiers:
+                        self._placement.add(node, "redis", self._size_in(node, "redis"))
+                        shared.put(record)  # type: ignore[union-attr]
                 for node in path:
                     self._placement.unpin(node)
                 self._counters["stored_pages"] += len(writes) if ok else 0
@@ -448,6 +495,60 @@ class KVStore:
         return PageRecord(namespace=node.namespace, key=node.key, parent=node.parent.key,  # type: ignore[union-attr]
                           tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
                           payload=payload, kind="page" if root.key == node.namespace else "chunk")
+
+    # -- the shared tier (Redis) -----------------------------------------------------------
+    def _probe_shared(self, root_key: bytes, spec: ModelSpec, tb: bytes) -> None:
+        """Add the pages past the local match that Redis holds (other sidecars stored them) to
+        the tree, as held in "redis": lookup then reports them and fetch serves and promotes them.
+
+        Page keys are chained hashes of the tokens, so they are computed here without any index.
+        Redis I/O (pipelined EXISTS) runs outside the lock; the tree is re-checked under it.
+        Token ids are verified when a page is read (`_read_page`): a collision is a miss."""
+        shared = self._record_tiers.get("redis")
+        if shared is None or not shared.available:
+            return
+        P = spec.page_size
+        n_tokens = len(tb) // TOKEN_BYTES
+        with self._lock:
+            match = self._index.match(root_key, tb, P)
+            full = 0  # leading pages of the match that are full pages, used in full
+            while full < len(match.path) and match.path[full].num_tokens == P and (full + 1) * P <= match.matched_tokens:
+                full += 1
+            anchor = match.path[full - 1].key if full else root_key
+        if full * P >= n_tokens:
+            return
+        pages: list[tuple[bytes, bytes]] = []  # (key, tokens) of each page probed, in order
+
+        def keys() -> Iterator[bytes]:
+            key = anchor
+            for s in range(full * P, n_tokens, P):
+                ptoks = tb[s * TOKEN_BYTES:min(s + P, n_tokens) * TOKEN_BYTES]
+                key = page_key(key, ptoks)
+                pages.append((key, ptoks))
+                yield key
+
+        found = shared.probe(keys())  # keys are hashed lazily: a cold long prompt costs one batch
+        if not found:
+            return
+        with self._lock:
+            parent = self._index.get(anchor) if full else self._index.roots.get(root_key)
+            if parent is None and not full and root_key in self._registry.specs_by_namespace:
+                parent = self._index.root(root_key)
+            if parent is None or not parent.ready:
+                return  # the anchor left meanwhile: the next request probes again
+            self._clock += 1
+            for key, ptoks in pages[:found]:
+                node = self._index.get(key)
+                if node is None:
+                    node = self._index.insert(parent, key, ptoks)
+                    node.ready = True
+                    self._placement.add(node, "redis", self._size_in(node, "redis"))
+                    self._placement.touch(node, self._clock)
+                elif node.parent is not parent or not node.ready or node.tokens != ptoks:
+                    break  # a concurrent store is writing it, or a collision: stop here
+                if node.num_tokens < P:
+                    break  # a tail page is a leaf
+                parent = node
 
     # -- TierMover (called by Placement under the lock) ------------------------------------
     def copy_down(self, node: Node, src: str, dst: str) -> bool:
@@ -596,6 +697,9 @@ class KVStore:
                                "hits": u.hits, "misses": u.misses, "evictions": u.evictions,
                                "demotions": u.demotions, "promotions": u.promotions,
                                "codec": self._codecs[name].name, "saved_bytes": u.saved_bytes}
+                extra = getattr(self._record_tiers.get(name), "stats", None)
+                if extra is not None:  # tier-specific counters (Redis: up, errors, missing pages)
+                    tiers[name].update({k: v for k, v in extra().items() if k not in tiers[name]})
             corrupt = sum(getattr(t, "corrupt_records", 0) for t in self._record_tiers.values())
             return {"tiers": tiers, "pages": len(self._index), "corrupt_records": corrupt,
                     "dropped_pages": self._placement.dropped_pages, "policy": self.config.policy,
