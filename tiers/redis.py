@@ -1,0 +1,289 @@
+"""Redis tier: page records in a Redis / Redis Cluster / Valkey deployment that many sidecars
+share (DESIGN §5). It is the bottom tier; the store decides what goes here and when.
+
+- Key: `redis_key_prefix` + the 16-byte page key (namespace-scoped by construction: chained
+  blake2b from the namespace). Value: one record, tiers/redis_record.py (the disk format: header
+  with token ids and crc32, payload optionally zstd), so a corrupt or foreign value is a miss,
+  deleted and counted.
+- Reads (`get_many`, `probe`) are pipelined GET / EXISTS, one round trip per batch; writes and
+  deletes go through a write-behind thread (tiers/redis_writer.py) that pipelines them.
+- Capacity is Redis' own: run it with a `maxmemory` and an evicting `maxmemory-policy`
+  (allkeys-lru); a page Redis evicted (or whose `redis_ttl_s` ran out) is simply a miss, reported
+  through `take_failed()` so the store forgets that copy. The tier never evicts by itself.
+- Faults: every call is bounded by `redis_timeout_s`; a failure opens a breaker (redis_conn.py),
+  during which the tier answers misses at once; it reconnects by itself after the backoff.
+
+What it does not do: decide placement, probe prefixes or verify token ids against a request
+(the store does; the record carries them).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from itertools import islice
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import zstandard
+
+from kvstore.config import StoreConfig
+from tiers.base import PageRecord
+from tiers.disk_record import CorruptRecord
+from tiers.redis_conn import FAULTS, LOG_EVERY_S, Breaker, is_cluster_url, make_client
+from tiers.redis_record import decode_value, decode_value_header, encode_value
+from tiers.redis_writer import DELETED, Op, WriteBehind
+
+log = logging.getLogger("kvstore.redis")
+T = TypeVar("T")
+
+MAX_QUEUED_BYTES = 256 << 20  # write-behind backlog before puts are refused (lost copies)
+PROBE_FIRST_BATCH = 8  # EXISTS per round trip: a cold prompt costs one small batch ...
+PROBE_MAX_BATCH = 512  # ... a long hit doubles it up to this
+HEADER_READ_BYTES = 1 << 16  # scan reads this much of a value to parse its header
+CLOSE_FLUSH_S = 5.0
+
+
+class RedisTier:
+    name = "redis"
+    capacity_bytes = 1 << 62  # Redis' maxmemory bounds it, not the store
+
+    def __init__(self, config: StoreConfig) -> None:
+        assert config.redis_url, "RedisTier needs StoreConfig.redis_url"
+        self.url = config.redis_url
+        self.cluster = is_cluster_url(config.redis_url)
+        self._prefix = config.redis_key_prefix.encode()
+        self._timeout_s = float(config.redis_timeout_s)
+        self._ttl_s = config.redis_ttl_s
+        self._zstd_level = config.zstd_level if config.disk_compression == "zstd" else None
+        self._breaker = Breaker(_redacted(config.redis_url))
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._failed: list[bytes] = []
+        self._failed_lock = threading.Lock()
+        self._local = threading.local()  # a zstd compressor per writer thread
+        self.corrupt_records = 0
+        self._refusal_logged_at = -LOG_EVERY_S
+        self._refused_unlogged = 0
+        self.missing_pages = 0  # GETs of pages believed held that Redis no longer had (evicted, expired)
+        self._writer = WriteBehind(self._send, self._breaker, self._lost, MAX_QUEUED_BYTES)
+
+    # -- the protocol ------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """False while the breaker skips Redis after a failure (calls answer misses at once)."""
+        return self._breaker.available
+
+    def put(self, record: PageRecord) -> threading.Event:
+        """Queue the record for Redis; never blocks. The event is set once it was sent or lost."""
+        return self._writer.put(record)
+
+    def delete(self, key: bytes) -> bool:
+        self._writer.delete(key)
+        return True
+
+    def get(self, key: bytes) -> PageRecord | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[bytes], *, report_missing: bool = True) -> list[PageRecord | None]:
+        """Records of `keys` in one pipelined round trip; None for misses and corrupt values.
+        `report_missing`: a key Redis does not hold is reported through take_failed (the store
+        believed it held; probes of keys nobody stored pass False)."""
+        results: list[PageRecord | None] = [None] * len(keys)
+        wire: list[int] = []
+        for i, key in enumerate(keys):
+            queued = self._writer.pending(key)
+            if queued is None:
+                wire.append(i)
+            elif queued is not DELETED:
+                results[i] = queued  # type: ignore[assignment]
+        if not wire:
+            return results
+        values = self._call(lambda r: self._read(r, [keys[i] for i in wire]))
+        if values is None:
+            return results  # Redis unreachable: misses, and the copies may still be there later
+        missing = []
+        for i, value in zip(wire, values):
+            if isinstance(value, (bytes, bytearray, memoryview)):
+                try:
+                    results[i] = decode_value(value, keys[i])
+                except CorruptRecord as exc:
+                    self._corrupt(keys[i], str(exc))
+            elif report_missing:
+                missing.append(keys[i])  # None (gone) or a per-key error (e.g. WRONGTYPE)
+        if missing:
+            self.missing_pages += len(missing)
+            self._lost(missing)
+        return results
+
+    def probe(self, keys: Iterable[bytes]) -> int:
+        """How many leading `keys` Redis (or the write-behind queue) holds: pipelined EXISTS in
+        batches that double, stopping at the first miss; `keys` is consumed only that far.
+        0 while Redis is unreachable."""
+        it = iter(keys)
+        found = 0
+        batch = PROBE_FIRST_BATCH
+        while chunk := list(islice(it, batch)):
+            wire = [k for k in chunk if self._writer.pending(k) is None]
+            present = self._call(lambda r: self._exists(r, wire)) if wire else []
+            if present is None:
+                return found
+            held = dict(zip(wire, present))
+            for key in chunk:
+                queued = self._writer.pending(key)
+                if not (held.get(key) or (queued is not None and queued is not DELETED)):
+                    return found
+                found += 1
+            batch = min(batch * 2, PROBE_MAX_BATCH)
+        return found
+
+    def scan(self) -> Iterator[PageRecord]:
+        """Headers (payload None) of every record under the key prefix. Costly: SCAN plus a
+        GETRANGE per key; for tools and tests, not the request path."""
+        client = self._call(lambda r: r)
+        if client is None:
+            return
+        plen = len(self._prefix)
+        for rkey in client.scan_iter(match=self._prefix + b"*", count=1000):
+            key = bytes(rkey)[plen:]
+            try:
+                prefix = client.getrange(rkey, 0, HEADER_READ_BYTES - 1)
+                record = decode_value_header(prefix, key)
+                if record is None:
+                    record = decode_value_header(client.getrange(rkey, 0, -1), key)
+            except CorruptRecord as exc:
+                self._corrupt(key, str(exc))
+                continue
+            if record is not None:
+                yield record
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.probe([key]) == 1
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._keys())
+
+    def take_failed(self) -> list[bytes]:
+        """Keys whose copies were lost: writes that failed, pages Redis evicted, corrupt values."""
+        with self._failed_lock:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the write-behind queue (tests, benchmarks, close)."""
+        return self._writer.flush(timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        """Tier-specific counters, merged into the store's per-tier stats."""
+        return {"up": int(self._breaker.available), "errors": self._breaker.failures,
+                "skipped_calls": self._breaker.skipped, "missing_pages": self.missing_pages,
+                "corrupt_records": self.corrupt_records, "written_pages": self._writer.written_pages,
+                "refused_writes": self._writer.refused_pages, "failed_writes": self._writer.failed_pages,
+                "queued_bytes": self._writer.queued_bytes}
+
+    def close(self) -> None:
+        self._writer.close(CLOSE_FLUSH_S)
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a dead connection must not fail the store's close
+                pass
+
+    # -- Redis calls -------------------------------------------------------------------------
+    def _redis(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = make_client(self.url, self._timeout_s)
+            return self._client
+
+    def _call(self, fn: Callable[[Any], T]) -> T | None:
+        """`fn(client)` under the breaker; None when Redis is down, slow or being skipped."""
+        if not self._breaker.allow():
+            return None
+        try:
+            result = fn(self._redis())
+        except FAULTS as exc:
+            self._breaker.failure(exc)
+            return None
+        self._breaker.success()
+        return result
+
+    def _pipeline(self, client: Any) -> Any:
+        # The cluster pipeline routes each key to its node; both never wrap a MULTI transaction.
+        return client.pipeline() if self.cluster else client.pipeline(transaction=False)
+
+    def _read(self, client: Any, keys: list[bytes]) -> list[Any]:
+        if len(keys) == 1:  # one page: a plain GET, no pipeline bookkeeping
+            rkey = self._prefix + keys[0]
+            return [client.getex(rkey, ex=self._ttl_s) if self._ttl_s else client.get(rkey)]
+        pipe = self._pipeline(client)
+        for key in keys:
+            if self._ttl_s:
+                pipe.getex(self._prefix + key, ex=self._ttl_s)  # a page in use stays alive
+            else:
+                pipe.get(self._prefix + key)
+        return pipe.execute(raise_on_error=False)
+
+    def _exists(self, client: Any, keys: list[bytes]) -> list[bool]:
+        pipe = self._pipeline(client)
+        for key in keys:
+            pipe.exists(self._prefix + key)
+        return [result is True or (isinstance(result, int) and result > 0) for result in pipe.execute(raise_on_error=False)]
+
+    def _send(self, ops: list[Op]) -> list[bytes]:
+        """One pipeline of SETs and DELs (the writer thread); keys whose SET Redis refused."""
+        compressor = self._compressor()
+        pipe = self._pipeline(self._redis())
+        for key, record in ops:
+            if record is None:
+                pipe.delete(self._prefix + key)
+            else:
+                pipe.set(self._prefix + key, encode_value(record, compressor), ex=self._ttl_s)
+        results = pipe.execute(raise_on_error=False)
+        refused = [key for (key, record), result in zip(ops, results) if record is not None and isinstance(result, Exception)]
+        if refused:  # e.g. OOM under maxmemory-policy noeviction: not a fault of the connection
+            self._log_refusal(len(refused), next(r for r in results if isinstance(r, Exception)))
+        return refused
+
+    def _compressor(self) -> zstandard.ZstdCompressor | None:
+        if self._zstd_level is None:
+            return None
+        compressor = getattr(self._local, "zstd", None)
+        if compressor is None:
+            compressor = self._local.zstd = zstandard.ZstdCompressor(level=self._zstd_level)
+        return compressor
+
+    def _keys(self) -> Iterator[bytes]:
+        client = self._call(lambda r: r)
+        if client is not None:
+            yield from client.scan_iter(match=self._prefix + b"*", count=1000)
+
+    # -- lost copies -------------------------------------------------------------------------
+    def _lost(self, keys: list[bytes]) -> None:
+        with self._failed_lock:
+            self._failed.extend(keys)
+
+    def _corrupt(self, key: bytes, why: str) -> None:
+        self.corrupt_records += 1
+        log.warning("redis tier: corrupt record %s deleted (%s)", key.hex(), why)
+        self.delete(key)
+        self._lost([key])
+
+    def _log_refusal(self, count: int, exc: BaseException) -> None:
+        now = time.monotonic()
+        self._refused_unlogged += count
+        if now - self._refusal_logged_at >= LOG_EVERY_S:
+            log.warning("redis tier: Redis refused %d page(s) since the last report: %s "
+                        "(run it with maxmemory-policy allkeys-lru)", self._refused_unlogged, exc)
+            self._refusal_logged_at, self._refused_unlogged = now, 0
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for log lines."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
