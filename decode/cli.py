@@ -21,7 +21,8 @@ from decode.sampling import SamplingParams
 
 
 def register(subparsers: Any) -> None:
-    gen = subparsers.add_parser("generate", help="generate tokens, reusing cached prefixes through the store",
+    gen = subparsers.add_parser("generate", help="generate tokens, reusing cached prefixes through the store "
+                                "(--server or --data-dir; with neither, no store is used)",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
@@ -45,7 +46,7 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
     demo.add_argument("--turn-tokens", type=int, default=64, help="new user tokens per turn")
     demo.add_argument("--max-new-tokens", type=int, default=16)
-    demo.add_argument("--seed", type=int, default=0, help="seed of the random conversation")
+    demo.add_argument("--seed", type=int, default=None, help="seed of the random conversation (default: fresh)")
     demo.set_defaults(func=run_demo, run=run_demo)
 
 
@@ -126,11 +127,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def demo_lines(model: LlamaModel, backend: Any, args: argparse.Namespace) -> Any:
     """Run the conversation; yield one line per turn comparing TTFT with and without reuse."""
-    rng = torch.Generator().manual_seed(args.seed)
-    new_ids = lambda n: torch.randint(0, model.arch.vocab_size, (n,), generator=rng).tolist()
-    # A unique system prompt per run, so a long-lived sidecar does not make turn 1 a hit.
+    rng = torch.Generator()
+    # A fresh conversation per run unless seeded, so a long-lived sidecar does not make turn 1 a hit.
+    rng.seed() if args.seed is None else rng.manual_seed(args.seed)
+    new_ids = lambda n: torch.randint(0, model.arch.vocab_size, (n,), generator=rng).tolist()  # noqa: E731
     history = new_ids(args.system_tokens)
-    generate(model, new_ids(32), 2)  # warm up torch's kernels so turn 1 is not charged for them
+    # Warm up torch's kernels, the connection and the model registration: turn 1 is not charged for them.
+    generate(model, new_ids(32), 2, backend=backend, store=False)
     for turn in range(1, args.turns + 1):
         prompt = history + new_ids(args.turn_tokens)
         cold = generate(model, prompt, args.max_new_tokens)
