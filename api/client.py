@@ -1,18 +1,15 @@
-"""Python clients of the sidecar: `KVStoreClient` (sync, http.client) and `AsyncKVStoreClient`
+"""Python clients of the sidecar: `KVStoreClient` (sync, own HTTP/1.1 connection) and `AsyncKVStoreClient`
 (aiohttp). Same methods and result types as the in-process `KVStore`, so the decode loop takes
 either through `KVCacheBackend`; errors are the same `KVStoreError` subclasses; a server that
 cannot be reached (refused, reset, timed out) is `BackendUnavailable`.
 
 The sync client keeps persistent connections (a small pool, so one client is thread-safe),
-disables Nagle (a request is a header send plus a body send), sends a store's KV straight from
-the tensor's memory and reads a fetch's answer into one preallocated buffer that the returned
-tensor views. The tenant is the server's business (bearer token), not a per-call argument.
+sends a request's head, fields and the tensor's own memory in one scatter-gather syscall and
+reads a fetch's answer into one preallocated buffer that the returned tensor views (api/http1.py). The tenant is the server's business (bearer token), not a per-call argument.
 """
 from __future__ import annotations
 
 import asyncio
-import http.client
-import socket
 import threading
 from typing import Any, Sequence
 from urllib.parse import urlsplit
@@ -21,25 +18,13 @@ import aiohttp
 
 from api import client_codec as codec
 from api.body import read_exact
+from api.http1 import Connection, ProtocolError
 from kvstore.config import ModelSpec
 from kvstore.errors import BackendUnavailable, InvalidRequest
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 
 DEFAULT_URL = "http://127.0.0.1:8100"
 _BLEND_NOTE = "comes with the CacheBlend routes (/v1/chunks/store, /v1/blend)"
-
-
-class _Connection(http.client.HTTPConnection):
-    """An HTTP/1.1 connection with Nagle off and socket buffers sized for multi-MiB values."""
-
-    socket_buffer_bytes = 0
-
-    def connect(self) -> None:
-        super().connect()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.socket_buffer_bytes:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_buffer_bytes)
-        self.served = 0
 
 
 class KVStoreClient:
@@ -52,8 +37,10 @@ class KVStoreClient:
         self._host, self._port = parts.hostname, parts.port or 80
         self._timeout_s = timeout_s
         self._socket_buffer_bytes = socket_buffer_bytes
-        self._headers = dict(codec.HEADERS, **({"Authorization": f"Bearer {token}"} if token else {}))
-        self._idle: list[_Connection] = []
+        headers = dict(codec.HEADERS, Host=f"{self._host}:{self._port}",
+                       **({"Authorization": f"Bearer {token}"} if token else {}))
+        self._head_lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._idle: list[Connection] = []
         self._lock = threading.Lock()
 
     # ---- the KVStore surface ----------------------------------------------------------------
@@ -112,72 +99,44 @@ class KVStoreClient:
     # ---- transport --------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, parts: codec.Parts | None = None) -> Any:
-        conn = self._take()
+        parts = parts or []
+        length = sum(memoryview(p).nbytes for p in parts)
+        head = f"{method} {path} HTTP/1.1\r\n{self._head_lines}Content-Length: {length}\r\n\r\n".encode()
+        conn = None
         try:
+            conn = self._take()
             try:
-                status, ctype, body = self._roundtrip(conn, method, path, parts)
-            except (ConnectionError, http.client.BadStatusLine) as exc:
+                status, ctype, body = conn.request(head, parts)
+            except (ConnectionError, ProtocolError):
                 # A kept-alive connection the server has since closed: retry once on a fresh one
                 # (every route is idempotent: storing the same pages again changes nothing).
                 conn.close()
-                if not conn.served or isinstance(exc, ConnectionRefusedError):
+                if not conn.served:
                     raise
                 conn = self._new()
-                status, ctype, body = self._roundtrip(conn, method, path, parts)
-        except (OSError, http.client.HTTPException) as exc:  # timeouts, refused, reset, garbled
-            conn.close()
+                status, ctype, body = conn.request(head, parts)
+        except OSError as exc:  # refused, reset, timed out, garbled
+            if conn is not None:
+                conn.close()
             raise BackendUnavailable(f"{self.url}: {method} {path}: {type(exc).__name__}: {exc}") from exc
         self._give(conn)
         return codec.decode(status, ctype, body)
 
-    def _roundtrip(self, conn: _Connection, method: str, path: str,
-                   parts: codec.Parts | None) -> tuple[int, str, bytearray]:
-        parts = parts or []
-        conn.putrequest(method, path, skip_accept_encoding=True)
-        for name, value in self._headers.items():
-            conn.putheader(name, value)
-        conn.putheader("Content-Length", str(sum(memoryview(p).nbytes for p in parts)))
-        conn.endheaders(parts[0] if parts else None)
-        for part in parts[1:]:
-            conn.send(part)  # the tensor's own memory: sendall, no copy
-        resp = conn.getresponse()
-        body = _read_body(resp)
-        conn.served += 1
-        if resp.will_close:
-            conn.close()
-        return resp.status, resp.getheader("Content-Type", ""), body
-
-    def _take(self) -> _Connection:
+    def _take(self) -> Connection:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
         return self._new()
 
-    def _new(self) -> _Connection:
-        conn = _Connection(self._host, self._port, timeout=self._timeout_s)
-        conn.socket_buffer_bytes = self._socket_buffer_bytes
-        conn.served = 0
-        return conn
+    def _new(self) -> Connection:
+        return Connection(self._host, self._port, timeout_s=self._timeout_s,
+                          socket_buffer_bytes=self._socket_buffer_bytes)
 
-    def _give(self, conn: _Connection) -> None:
-        if conn.sock is None:
+    def _give(self, conn: Connection) -> None:
+        if conn.closed:
             return
         with self._lock:
             self._idle.append(conn)
-
-
-def _read_body(resp: http.client.HTTPResponse) -> bytearray:
-    if resp.length is None:  # chunked or close-delimited: rare (we never send those)
-        return bytearray(resp.read())
-    buf = bytearray(resp.length)
-    view = memoryview(buf)
-    got = 0
-    while got < len(buf):
-        n = resp.readinto(view[got:])
-        if not n:
-            raise http.client.IncompleteRead(bytes(buf[:got]), len(buf) - got)
-        got += n
-    return buf
 
 
 class AsyncKVStoreClient:

@@ -55,7 +55,9 @@ async def delete_model(request: web.Request) -> web.Response:
 
 async def lookup(request: web.Request) -> web.Response:
     req = wire.lookup_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
-    result = await run_blocking(request, request.app[STORE].lookup, req.model, req.tokens, tenant=tenant_of(request))
+    # On the loop: a lookup only walks the in-memory index (no tier I/O, no copies), and a thread
+    # hop would cost more than the lookup itself.
+    result = request.app[STORE].lookup(req.model, req.tokens, tenant=tenant_of(request))
     return wire.respond(request, asdict(result))
 
 
@@ -73,6 +75,12 @@ async def store(request: web.Request) -> web.Response:
 
 async def fetch(request: web.Request) -> web.StreamResponse:
     req = wire.fetch_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
-    result = await run_blocking(request, request.app[STORE].fetch, req.model, req.tokens,
-                                start=req.start, tenant=tenant_of(request))
-    return await wire.respond_kv(request, {"matched_tokens": result.matched_tokens}, result.kv)
+    kvstore, tenant = request.app[STORE], tenant_of(request)
+
+    def get() -> tuple[dict, object]:
+        result = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant)
+        fields, raw = wire.kv_payload(result.kv)
+        return {"matched_tokens": result.matched_tokens, **fields}, raw
+
+    fields, raw = await run_blocking(request, get)
+    return await wire.respond_kv(request, fields, raw)

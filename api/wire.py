@@ -206,12 +206,20 @@ def respond(request: web.Request, obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgpack.packb(obj, use_bin_type=True), status=status, content_type=MSGPACK)
 
 
-async def respond_kv(request: web.Request, fields: dict[str, Any], kv: torch.Tensor | None) -> web.StreamResponse:
-    """`{**fields, kv}` with the tensor's bytes written straight to the socket (no re-packing)."""
+def kv_payload(kv: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
+    """(dtype/shape fields, flat uint8 array of the bytes) of a result tensor; None for no kv.
+    Call it off the loop: a tensor that is not contiguous is copied here."""
     if kv is None:
-        return respond(request, {**fields, "kv": None})
+        return {}, None
     raw = kv.contiguous().view(-1).view(torch.uint8).numpy()  # flat bytes of (L, 2, T, H, D)
-    fields = {**fields, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
+    return {"dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, raw
+
+
+async def respond_kv(request: web.Request, fields: dict[str, Any], raw: Any) -> web.StreamResponse:
+    """`{**fields, kv}` with kv's bytes written straight to the socket after a hand-built msgpack
+    prefix: the tensor's memory is never re-packed (see framing.pack_map_prefix)."""
+    if raw is None:
+        return respond(request, {**fields, "kv": None})
     if wants_json(request):
         return web.json_response({**fields, "kv": base64.b64encode(raw).decode()})
     prefix = pack_map_prefix(fields, "kv", raw.nbytes)
