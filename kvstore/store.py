@@ -28,6 +28,7 @@ import torch
 
 from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
 from kvstore.copy import copy_into
+from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import DTYPE_BYTES, ModelSpec, StoreConfig
 from kvstore.errors import InsufficientStorage, InvalidModelSpec
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
@@ -293,10 +294,15 @@ class KVStore:
         if slot is not None:
             data = slot[:codec.encoded_bytes(spec, n)]
         else:
-            if record is None or record.codec != codec.name or record.shape != spec.kv_shape(n) \
-                    or bytes(record.tokens) != node.tokens:
+            if record is None or record.shape != spec.kv_shape(n) or bytes(record.tokens) != node.tokens:
                 return None
+            if record.codec != codec.name:  # sidecars sharing Redis may run different codecs
+                if record.codec not in CODEC_NAMES:
+                    return None
+                codec = get_codec(record.codec)
             data = _byte_tensor(record.payload)
+            if data.numel() != codec.encoded_bytes(spec, n):
+                return None
         if whole:
             codec.decode(spec, data, n, out)
             return True
