@@ -20,6 +20,7 @@ from decode.paged_cache import BlockTable, PagedKVCache
 class AttentionContext:
     write_slots: torch.Tensor  # (T,) cache slots of the T new tokens
     read_slots: torch.Tensor  # (S,) cache slots the new tokens attend to, in key order
+    read_span: slice | None = None  # the same slots as one slice, when they are consecutive
     mask: torch.Tensor | None = None  # (T, S) bool, True = may attend; None = see `causal`
     causal: bool = False  # with mask None: True = lower-triangular (T == S), False = attend everything
 
@@ -27,14 +28,16 @@ class AttentionContext:
     def for_span(cls, cache: PagedKVCache, table: BlockTable, start: int, end: int) -> "AttentionContext":
         """New tokens at sequence positions start..end-1 attending causally to 0..end-1."""
         write = cache.slots(table, start, end)  # (T,)
+        span = cache.slot_range(table, 0, end)
         if start == 0:
-            return cls(write_slots=write, read_slots=write, causal=end > 1)
+            return cls(write_slots=write, read_slots=write, read_span=span, causal=end > 1)
         read = cache.slots(table, 0, end)  # (S,)
         if end - start == 1:
-            return cls(write_slots=write, read_slots=read)  # one query sees every key: no mask needed
+            return cls(write_slots=write, read_slots=read, read_span=span)  # one query sees every key: no mask
         query_pos = torch.arange(start, end, device=write.device)  # (T,)
         key_pos = torch.arange(0, end, device=write.device)  # (S,)
-        return cls(write_slots=write, read_slots=read, mask=key_pos[None, :] <= query_pos[:, None])  # (T, S)
+        return cls(write_slots=write, read_slots=read, read_span=span,
+                   mask=key_pos[None, :] <= query_pos[:, None])  # (T, S)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
@@ -46,8 +49,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     """
     k_pool.index_copy_(0, ctx.write_slots, k)
     v_pool.index_copy_(0, ctx.write_slots, v)
-    keys = k_pool.index_select(0, ctx.read_slots).transpose(0, 1)[None]  # (1, H, S, D)
-    values = v_pool.index_select(0, ctx.read_slots).transpose(0, 1)[None]  # (1, H, S, D)
+    if ctx.read_span is not None:  # consecutive pages: attend to a view of the pool, no copy
+        keys, values = k_pool[ctx.read_span], v_pool[ctx.read_span]  # (S, H, D)
+    else:
+        keys, values = k_pool.index_select(0, ctx.read_slots), v_pool.index_select(0, ctx.read_slots)  # (S, H, D)
+    keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # (1, H, S, D)
     # 4-D inputs on purpose: torch's CPU flash-attention kernel only takes batched input; 3-D
     # falls back to the math path, which materialises (Hq, T, S) scores (2 GiB at 8k tokens).
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=ctx.mask,

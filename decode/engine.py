@@ -16,6 +16,7 @@ import torch
 
 from decode.attention import AttentionContext
 from decode.model import LlamaModel
+from decode.paged_cache import BlockTable, PagedKVCache
 from decode.reuse import BackendWarning, PrefixReuse
 from decode.sampling import Sampler, SamplingParams
 from kvstore.backend import KVCacheBackend
@@ -69,12 +70,22 @@ def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
     start_time = time.perf_counter()
     prompt = _check_prompt(model, prompt_tokens)
-    n = len(prompt)
-    cache = model.new_cache(n + max_new_tokens)
+    cache = model.kv_cache(len(prompt) + max_new_tokens)
     table = cache.new_table()
-    cache.reserve(table, n + max_new_tokens)
+    cache.reserve(table, len(prompt) + max_new_tokens)
     reuse = PrefixReuse(model, backend, tenant=tenant, timeout_s=timeout_s) if backend is not None else None
+    try:
+        return _run(model, prompt, max_new_tokens, cache, table, reuse, start_time, sampling=sampling,
+                    stop_token_ids=stop_token_ids, min_reuse_tokens=min_reuse_tokens, store=store,
+                    return_logits=return_logits)
+    finally:
+        cache.release(table)  # the cache outlives the request: give its pages back even on error
 
+
+def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: PagedKVCache, table: BlockTable,
+         reuse: PrefixReuse | None, start_time: float, *, sampling: SamplingParams, stop_token_ids: Sequence[int],
+         min_reuse_tokens: int, store: bool, return_logits: bool) -> GenerateResult:
+    n = len(prompt)
     hit = reuse.load_prefix(prompt, cache, table, min_reuse_tokens=min_reuse_tokens) if reuse else None
     reused = hit.reused_tokens if hit else 0
     fetch_s = time.perf_counter() - start_time
@@ -107,7 +118,6 @@ def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max
         # The last sampled token was never fed, so its KV does not exist: store up to the one before.
         stored = reuse.store(prompt + output[:-1], cache, table, known_tokens=stored)
     store_s = (decode_start - first_token_time) + (time.perf_counter() - end_time)
-    cache.release(table)
     return GenerateResult(
         tokens=output, prompt_tokens=n, reused_tokens=reused, computed_tokens=n - reused,
         ttft_s=first_token_time - start_time,

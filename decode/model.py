@@ -114,8 +114,23 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, num_tokens: int) -> PagedKVCache:
-        """A paged cache big enough for one sequence of `num_tokens` tokens."""
+        """A fresh paged cache big enough for one sequence of `num_tokens` tokens."""
         return PagedKVCache.for_tokens(self.spec, num_tokens, device=self.device, dtype=self.dtype)
+
+    def kv_cache(self, num_tokens: int) -> PagedKVCache:
+        """The model's paged cache, grown to hold at least `num_tokens` tokens, kept between requests.
+
+        Engines preallocate their KV cache once for the same reason: a fresh multi-MiB buffer
+        page-faults on first touch, which at 8k tokens costs more than scattering a fetched prefix.
+        One request at a time uses it (generate is not reentrant per model).
+        """
+        pages = -(-num_tokens // self.spec.page_size)
+        cache = self.__dict__.get("_kv_cache")
+        if cache is None or cache.num_blocks < pages:
+            cache = PagedKVCache(self.spec, pages, device=self.device, dtype=self.dtype)
+            cache.buffer.zero_()  # touch every page now, not inside a request
+            self.__dict__["_kv_cache"] = cache  # not an nn.Module attribute: never in state_dict
+        return cache
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,

@@ -35,3 +35,30 @@ def test_reserve_beyond_capacity_fails_and_release_returns_pages() -> None:
     cache.reserve(table, 8)
     cache.release(table)
     assert cache.free_blocks == 2 and table.blocks == []
+
+
+def test_attention_is_the_same_over_scattered_and_consecutive_pages() -> None:
+    from decode import tiny_model
+    from decode.attention import AttentionContext
+
+    model = tiny_model(page_size=4)
+    ids = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(0))  # (T,)
+
+    def run(scattered: bool) -> list[torch.Tensor]:
+        cache = PagedKVCache(model.spec, num_blocks=16)
+        table, other = cache.new_table(), cache.new_table()
+        for n in range(4, 25, 4):  # grow page by page; `other` takes every other page when scattered
+            cache.reserve(table, n)
+            if scattered:
+                cache.reserve(other, n)
+        assert (cache.slot_range(table, 0, 23) is None) == scattered
+        out = []
+        for start, end in ((0, 13), (13, 22), (22, 23)):  # prefill, suffix prefill, one decode step
+            ctx = AttentionContext.for_span(cache, table, start, end)
+            out.append(model(ids[start:end], torch.arange(start, end), cache, ctx, logits="all"))
+            table.num_tokens = end
+        out.append(cache.gather(table, 0, 23))
+        return out
+
+    for a, b in zip(run(False), run(True)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
