@@ -19,10 +19,21 @@ REDIS_CLI = shutil.which("redis-cli")
 NEEDS_REDIS = "redis-server is not installed (make system-deps / apt-get install redis-server)"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(bus: bool = False) -> int:
+    """A free loopback port; `bus`: one whose cluster bus port (+10000) is free and valid too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not bus:
+            return port
+        if port + 10000 <= 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                    return port
+                except OSError:
+                    pass
 
 
 class RedisServer:
@@ -33,7 +44,7 @@ class RedisServer:
             pytest.skip(NEEDS_REDIS)
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self.port = port or free_port(bus="--cluster-enabled" in extra)
         self.extra = list(extra)
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -51,7 +62,7 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if self.client().ping():
                     return
