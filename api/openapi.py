@@ -7,6 +7,8 @@ their fields (a `bin` is `type: string, format: binary`).
 """
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from aiohttp import web
@@ -108,6 +110,11 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/fetch"): {"summary": "The cached KV of the longest matching prefix, from start", "requestBody": _body("FetchRequest"),
                             "responses": {**_ok("FetchResult"), **_errors(400, 401, 404, 413, 415)}},
 }
+
+
+def template_path(path: str) -> str:
+    """`/v1/models/{model:.+}` -> `/v1/models/{model}`: the OpenAPI spelling of a route path."""
+    return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", path)
 
 
 def openapi_document(app: web.Application) -> dict[str, Any]:

@@ -19,6 +19,14 @@ async def test_put_model_201_then_200_and_get(http, spec: ModelSpec):
     assert await call(http, "GET", "/v1/models/llama-3-8b") == (200, spec.to_dict())
 
 
+async def test_hugging_face_style_model_name_with_a_slash(http, spec: ModelSpec):
+    assert (await call(http, "PUT", "/v1/models/meta-llama/Llama-3-8B", spec.to_dict()))[0] == 201
+    assert await call(http, "GET", "/v1/models/meta-llama/Llama-3-8B") == (200, spec.to_dict())
+    status, body = await call(http, "POST", "/v1/lookup", {"model": "meta-llama/Llama-3-8B", "tokens": [1, 2]})
+    assert status == 200 and body["matched_tokens"] == 0
+    assert (await call(http, "DELETE", "/v1/models/meta-llama/Llama-3-8B"))[0] == 200
+
+
 async def test_store_lookup_fetch_roundtrip_with_bin_tokens(http_model, spec: ModelSpec):
     tokens = list(range(100, 110))
     kv = random_kv(spec, 10)
