@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from typing import Any
 
 from kvstore.index import Node
@@ -98,7 +99,97 @@ class LRUPrefixPolicy(EvictionPolicy):
     leaf_first = True
 
 
+class ARCPrefixPolicy(EvictionPolicy):
+    """Leaf-first ARC (Megiddo & Modha, FAST '03): admission of one-time pages without a knob.
+
+    Most blocks in real traces are used once (a new conversation's own turn, a one-off
+    document), and each would push out a page that is reused. ARC keeps two leaf-first LRU
+    segments: `recent` (pages stored but never served by a fetch: on probation) and `frequent`
+    (pages served at least once), plus ghost lists of the keys each recently evicted. Victims come
+    from `recent` while it is over its target size `p`, else from `frequent`. A page stored again
+    soon after it left `recent` (its key is in the `recent` ghosts) says probation was too short:
+    `p` grows; one whose key is in the `frequent` ghosts says the opposite: `p` shrinks. So the
+    share of the tier given to unproven pages is learnt from the traffic, not set by a constant;
+    with p = 0 new pages are evicted first (they are admitted only to be dropped: the store must
+    hold a page while it is being written, so admission is by probation, not refusal).
+
+    A page whose key is in a ghost list comes back straight into `frequent` (it was reused).
+    Frequency is "served by a fetch" (`Node.hits`, counted once per request by the store), not
+    "touched", because the store touches a hit page twice per request (fetch and store).
+
+    Invariants: every page of the tier is in exactly one segment (`_segment`); ghosts hold keys of
+    pages not in the tier, each list at most as many as the tier holds pages; 0 <= p <= pages.
+    Leaf-first holds across segments (eligibility is the tier's, not the segment's), so a parent in
+    `frequent` with a child on probation waits for the child; a segment whose pages are all
+    parked yields to the other.
+    """
+
+    name = "arc-prefix"
+    leaf_first = True
+
+    def __init__(self, tier: str):
+        super().__init__(tier)
+        self.recent = LRUPrefixPolicy(tier)  # stored, never served
+        self.frequent = LRUPrefixPolicy(tier)  # served by a fetch at least once
+        self._segment: dict[Node, LRUPrefixPolicy] = {}
+        self._recent_ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self._frequent_ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self.p = 0.0  # target number of pages on probation
+
+    def __len__(self) -> int:
+        return len(self._segment)
+
+    def insert(self, node: Node) -> None:
+        pages = max(1, len(self._segment))
+        rg, fg = self._recent_ghosts, self._frequent_ghosts
+        if node.key in rg:
+            self.p = min(float(pages), self.p + max(len(fg) / len(rg), 1.0))
+            del rg[node.key]
+            segment = self.frequent
+        elif node.key in fg:
+            self.p = max(0.0, self.p - max(len(rg) / len(fg), 1.0))
+            del fg[node.key]
+            segment = self.frequent
+        else:
+            segment = self.frequent if node.hits else self.recent
+        self._segment[node] = segment
+        segment.insert(node)
+
+    def touch(self, node: Node) -> None:
+        segment = self._segment.get(node)
+        if segment is self.recent and node.hits:
+            self.recent.remove(node)  # served: off probation
+            self._segment[node] = self.frequent
+            self.frequent.insert(node)
+        elif segment is not None:
+            segment.touch(node)
+
+    def update(self, node: Node) -> None:
+        segment = self._segment.get(node)
+        if segment is not None:
+            segment.update(node)
+
+    def remove(self, node: Node) -> None:
+        segment = self._segment.pop(node, None)
+        if segment is None:
+            return
+        segment.remove(node)
+        (self._recent_ghosts if segment is self.recent else self._frequent_ghosts)[node.key] = None
+        limit = len(self._segment)
+        for ghosts in (self._recent_ghosts, self._frequent_ghosts):
+            while len(ghosts) > limit:
+                ghosts.popitem(last=False)  # forget the oldest
+        self.p = min(self.p, float(limit))
+
+    def victim(self) -> Node | None:
+        first, second = ((self.recent, self.frequent) if len(self.recent) > self.p
+                         else (self.frequent, self.recent))
+        node = first.victim()
+        return node if node is not None else second.victim()
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     LRUPrefixPolicy.name: LRUPrefixPolicy,
+    ARCPrefixPolicy.name: ARCPrefixPolicy,
 }

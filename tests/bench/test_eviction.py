@@ -1,0 +1,77 @@
+"""The eviction benchmark: replay correctness against a brute-force LRU, Belady as an upper line,
+and the CLI's JSON output."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from bench.belady import BeladyPolicy
+from bench.eviction import main
+from bench.replay import NextUse, compile_trace, replay
+from bench.traces import PRESETS, generate, save_trace
+
+
+def brute_force_lru(requests: list[tuple[int, ...]], capacity: int) -> int:
+    """Hit blocks of the store's `lru`: evict the least recently stored block (ties: earlier in
+    its request) that the current request does not hold yet, and with it every cached block
+    chained below it (the index drops a page's subtree with its last copy)."""
+    cache: dict[int, tuple[int, int]] = {}  # block -> (last request, position there)
+    parent: dict[int, int | None] = {}
+    hits = 0
+    for r, ids in enumerate(requests):
+        k = 0
+        while k < len(ids) and ids[k] in cache:
+            k += 1
+        hits += k
+        for i, h in enumerate(ids):
+            if h not in cache:
+                while len(cache) >= capacity:
+                    victim = min((b for b in cache if b not in ids[:i]), key=cache.__getitem__)
+                    for b in list(cache):
+                        a: int | None = b
+                        while a is not None and a != victim:
+                            a = parent[a]
+                        if a == victim:
+                            del cache[b]
+            parent[h] = ids[i - 1] if i else None
+            cache[h] = (r, i)
+    return hits
+
+
+SMALL = {name: replace(spec, num_requests=400, num_prefixes=min(spec.num_prefixes, 40))
+         for name, spec in PRESETS.items()}
+
+
+@pytest.mark.parametrize("capacity", [40, 120, 400])
+def test_lru_replay_matches_brute_force(capacity: int) -> None:
+    requests = generate(replace(SMALL["chat"], seed=3, unique_blocks_mean=6))
+    trace = compile_trace("small", requests)
+    capacity = max(capacity, max(len(r.hash_ids) for r in requests) + 1)  # no request is pinned out
+    result = replay(trace, [("cpu", capacity)], "lru")
+    assert result.hit_blocks == brute_force_lru([r.hash_ids for r in requests], capacity)
+
+
+@pytest.mark.parametrize("preset", sorted(SMALL))
+def test_belady_is_at_least_lru_and_lru_prefix(preset: str) -> None:
+    trace = compile_trace(preset, generate(replace(SMALL[preset], seed=7)))
+    for fraction in (0.02, 0.05, 0.2):
+        tiers = [("cpu", max(round(fraction * trace.unique_blocks), 400))]
+        oracle = NextUse()
+        best = replay(trace, tiers, lambda tier: BeladyPolicy(tier, oracle), oracle).hit_ratio
+        for policy in ("lru", "lru-prefix", "arc-prefix"):
+            assert best >= replay(trace, tiers, policy).hit_ratio, (preset, fraction, policy)
+
+
+def test_cli_writes_json_and_multi_tier_hits(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    save_trace(path, generate(SMALL["chat"]))
+    out = tmp_path / "r.json"
+    main([str(path), "--tiers", "gpu=0.02,cpu=0.1", "--policies", "lru,belady", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["requests"] == 400 and report["unique_blocks"] > 0
+    for row in report["results"]:
+        assert set(row) >= {"policy", "capacity_fraction", "capacity_blocks", "hit_ratio", "tier_hits",
+                            "prefill_tokens_saved"}
+        assert sum(row["tier_hits"].values()) > 0 and row["tier_hits"]["cpu"] > 0
