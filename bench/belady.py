@@ -7,9 +7,10 @@ pages never used again go first. Ties go to the deeper page.
 Why this is the right reference for prefix-chained traces although a hit needs the leading run:
 a request that uses a page uses all its ancestors, so a page's next use is never earlier than
 its parent's. Farthest-next-use therefore can always pick a leaf, and this policy is leaf-first
-without losing anything: what it keeps is always a prefix-closed tree, every cached block of a
-request is in its leading run, and the per-block optimum is also the leading-run optimum among
-policies that must store every block they are given (no bypass), as all policies here must.
+without losing anything: what it keeps is always a prefix-closed tree, so every cached block of
+a request is in its leading run and per-block hits equal leading-run hits. It is the classic
+reference, optimal for one-block requests without bypass; with multi-block pinned requests it
+is a near-optimal upper line, not a proven bound (the tests check it beats the online policies).
 
 Only the benchmark uses it (it needs the future); it is not in POLICIES.
 """
