@@ -90,7 +90,8 @@ def run_generate(args: argparse.Namespace) -> int:
             from kvstore.config import StoreConfig
             from kvstore.store import KVStore
 
-            backend = stack.enter_context(KVStore(StoreConfig(data_dir=args.data_dir)))
+            # One request per process: a CPU tier would only be allocated and flushed, so go to disk.
+            backend = stack.enter_context(KVStore(StoreConfig(data_dir=args.data_dir, cpu_bytes=0)))
         try:
             result = generate(model, prompt, args.max_new_tokens, backend=backend, sampling=sampling)
         except ValueError as exc:
@@ -117,7 +118,7 @@ def run_demo(args: argparse.Namespace) -> int:
             from decode.sidecar import InProcessSidecar
             from kvstore.config import StoreConfig
 
-            url = stack.enter_context(InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=1 << 30, disk_bytes=0)))
+            url = stack.enter_context(InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=256 << 20, disk_bytes=0)))
         client = stack.enter_context(_client(url, args.token))
         print(f"kvstore demo: model {model.name} ({model.arch.num_params / 1e6:.1f} M params), sidecar {url}")
         for line in demo_lines(model, client, args):

@@ -19,6 +19,7 @@ import torch
 from decode.model import LlamaModel
 from decode.paged_cache import BlockTable, PagedKVCache
 from kvstore.backend import KVCacheBackend
+from kvstore.errors import ModelNotFound
 
 T = TypeVar("T")
 
@@ -83,13 +84,16 @@ class PrefixReuse:
         warnings.warn(message, BackendWarning, stacklevel=3)
         return message
 
+    def _registered(self) -> set[tuple]:
+        try:
+            return _REGISTERED.setdefault(self.backend, set())
+        except TypeError:  # not weak-referenceable: register every time
+            return set()
+
     def register(self) -> str | None:
         """Register the model's spec once per backend; returns an error message on failure."""
         key = (self.model.name, self.model.spec, self.tenant)
-        try:
-            done = _REGISTERED.setdefault(self.backend, set())
-        except TypeError:  # not weak-referenceable: register every time
-            done = set()
+        done = self._registered()
         if key in done:
             return None
         try:
@@ -98,6 +102,17 @@ class PrefixReuse:
             return self._degrade("register_model", exc)
         done.add(key)
         return None
+
+    def _call_registered(self, fn: Callable[[], T]) -> T:
+        """`fn` against the backend; if the backend forgot the model (a sidecar restarted without
+        its disk tier, the model was dropped), register it again and retry once."""
+        try:
+            return self._call(fn)
+        except ModelNotFound:
+            self._registered().discard((self.model.name, self.model.spec, self.tenant))
+            self._call(lambda: self.backend.register_model(self.model.name, self.model.spec, tenant=self.tenant))
+            self._registered().add((self.model.name, self.model.spec, self.tenant))
+            return self._call(fn)
 
     def load_prefix(self, prompt: Sequence[int], cache: PagedKVCache, table: BlockTable, *,
                     min_reuse_tokens: int = 1) -> PrefixHit:
@@ -111,7 +126,7 @@ class PrefixReuse:
             return PrefixHit()
         name, tenant = self.model.name, self.tenant
         try:
-            found = self._call(lambda: self.backend.lookup(name, query, tenant=tenant))
+            found = self._call_registered(lambda: self.backend.lookup(name, query, tenant=tenant))
             if found.matched_tokens < max(1, min_reuse_tokens):
                 return PrefixHit(tiers=dict(found.tiers))
             fetched = self._call(lambda: self.backend.fetch(name, query[:found.matched_tokens], tenant=tenant))
@@ -145,7 +160,8 @@ class PrefixReuse:
         kv = cache.gather(table, start, len(tokens))  # (L, 2, T - start, H, D)
         seq = list(tokens)
         try:
-            result = self._call(lambda: self.backend.store(self.model.name, seq, kv, start=start, tenant=self.tenant))
+            result = self._call_registered(
+                lambda: self.backend.store(self.model.name, seq, kv, start=start, tenant=self.tenant))
         except Exception as exc:
             self._degrade("store", exc)
             return known_tokens

@@ -110,3 +110,26 @@ def test_short_hits_below_min_reuse_tokens_are_not_fetched(model: LlamaModel, di
     generate(model, PROMPT[:12], 2, backend=dict_backend)
     result = generate(model, PROMPT, 2, backend=dict_backend, min_reuse_tokens=16)
     assert result.reused_tokens == 0 and "fetch" not in dict_backend.calls
+
+
+def test_a_backend_that_forgot_the_model_gets_it_registered_again(model: LlamaModel) -> None:
+    class Restartable:
+        """One client object in front of a store that restarts (memory only): the model is gone."""
+
+        def __init__(self) -> None:
+            self.inner = KVStore(StoreConfig(data_dir=None, cpu_bytes=16 << 20, disk_bytes=0))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    backend = Restartable()
+    generate(model, PROMPT, 4, backend=backend)
+    backend.inner.close()
+    backend.inner = KVStore(StoreConfig(data_dir=None, cpu_bytes=16 << 20, disk_bytes=0))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BackendWarning)
+        assert generate(model, PROMPT, 4, backend=backend).reused_tokens == 0  # a miss, not a failure
+    assert generate(model, PROMPT, 4, backend=backend).reused_tokens == len(PROMPT) - 1
+    backend.inner.close()
