@@ -46,7 +46,10 @@ log = logging.getLogger("kvstore.store")
 DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
 LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
 MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
-READ_BATCH_BYTES = 64 << 20  # a batching record tier (Redis) reads up to this much per round trip
+READ_BATCH_BYTES = 4 << 20  # a batching record tier (Redis) reads up to this much per round trip:
+# many small pages share one; big pages go a few at a time (redis-py parses huge pipelined
+# replies slower than single ones), and the tier reads the next batches ahead while this one
+# is decoded
 
 
 class KVStore:
@@ -234,11 +237,12 @@ class KVStore:
         promote: list[tuple[Node, torch.Tensor]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
         records: dict[bytes, PageRecord | None] = {}
+        stream = self._record_batches(reads)
         try:
-            for i, (node, first, used, tier, slot) in enumerate(reads):
+            for node, first, used, tier, slot in reads:
                 lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page
                 if slot is None and node.key not in records:
-                    records = self._read_records(reads, i)
+                    records = next(stream, {})
                 page = self._read_page(spec, node, tier, slot, records.pop(node.key, None),
                                        whole=(lo == first and used == node.num_tokens),
                                        out=out[:, :, lo - start:first + used - start])
@@ -266,22 +270,31 @@ class KVStore:
             return FetchResult(matched, self._empty_kv(spec, dev))
         return FetchResult(matched, out[:, :, :matched - start])
 
-    def _read_records(self, reads: list, i: int) -> dict[bytes, PageRecord | None]:
-        """The record of reads[i] and, from a tier that batches reads (Redis: one pipelined round
-        trip), of the following reads in that tier, up to READ_BATCH_BYTES. Outside the lock."""
-        node, tier = reads[i][0], reads[i][3]
-        record_tier = self._record_tiers[tier]
-        get_many = getattr(record_tier, "get_many", None)
-        if get_many is None:
-            return {node.key: record_tier.get(node.key)}
-        keys: list[bytes] = []
+    def _record_batches(self, reads: list) -> Iterator[dict[bytes, PageRecord | None]]:
+        """Records of the reads served by record tiers, in order, one dict per batch. A tier
+        that batches (Redis: `read_ahead`, pipelined, the next batches in flight while the
+        caller decodes this one) gets runs of up to READ_BATCH_BYTES; others one page a call.
+        Outside the lock: the pages are pinned."""
+        runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
         nbytes = 0
-        for later, _, _, later_tier, slot in reads[i:]:
-            if later_tier != tier or slot is not None or nbytes >= READ_BATCH_BYTES:
-                break
-            keys.append(later.key)
-            nbytes += later.tiers.get(tier, 0)
-        return dict(zip(keys, get_many(keys)))
+        for node, _, _, tier, slot in reads:
+            if slot is not None:
+                continue
+            batching = hasattr(self._record_tiers[tier], "read_ahead")
+            if not runs or runs[-1][0] != tier or not batching:
+                runs.append((tier, [[]]))
+                nbytes = 0
+            elif nbytes >= READ_BATCH_BYTES:
+                runs[-1][1].append([])
+                nbytes = 0
+            runs[-1][1][-1].append(node.key)
+            nbytes += node.tiers.get(tier, 0)
+        for tier, batches in runs:
+            record_tier = self._record_tiers[tier]
+            if hasattr(record_tier, "read_ahead"):
+                yield from record_tier.read_ahead(batches)
+            else:
+                yield {batches[0][0]: record_tier.get(batches[0][0])}
 
     def _read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
                    record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:
