@@ -21,10 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import zstandard
 
 from kvstore.config import StoreConfig
@@ -42,6 +45,7 @@ PROBE_FIRST_BATCH = 8  # EXISTS per round trip: a cold prompt costs one small ba
 PROBE_MAX_BATCH = 512  # ... a long hit doubles it up to this
 HEADER_READ_BYTES = 1 << 16  # scan reads this much of a value to parse its header
 CLOSE_FLUSH_S = 5.0
+READ_AHEAD = 2  # batches of one fetch in flight at once
 
 
 class RedisTier:
@@ -67,6 +71,7 @@ class RedisTier:
         self._refused_unlogged = 0
         self.missing_pages = 0  # GETs of pages believed held that Redis no longer had (evicted, expired)
         self._writer = WriteBehind(self._send, self._breaker, self._lost, MAX_QUEUED_BYTES)
+        self._readers = ThreadPoolExecutor(max_workers=2 * READ_AHEAD, thread_name_prefix="kvstore-redis-read")
 
     # -- the protocol ------------------------------------------------------------------------
     @property
@@ -115,6 +120,24 @@ class RedisTier:
             self.missing_pages += len(missing)
             self._lost(missing)
         return results
+
+    def read_ahead(self, batches: list[list[bytes]]) -> Iterator[dict[bytes, PageRecord | None]]:
+        """`get_many` of each batch, yielded in order as {key: record}, with up to READ_AHEAD
+        batches in flight on their own connections: the network reads and checksums of the next
+        batches overlap the caller's decoding of this one (redis-py and zlib release the GIL)."""
+        if len(batches) == 1:
+            yield dict(zip(batches[0], self.get_many(batches[0])))
+            return
+        pending: deque[tuple[list[bytes], Future]] = deque()
+        rest = iter(batches)
+        for batch in islice(rest, READ_AHEAD):
+            pending.append((batch, self._readers.submit(self.get_many, batch)))
+        while pending:
+            batch, future = pending.popleft()
+            following = next(rest, None)
+            if following is not None:
+                pending.append((following, self._readers.submit(self.get_many, following)))
+            yield dict(zip(batch, future.result()))
 
     def probe(self, keys: Iterable[bytes]) -> int:
         """How many leading `keys` Redis (or the write-behind queue) holds: pipelined EXISTS in
@@ -183,6 +206,7 @@ class RedisTier:
 
     def close(self) -> None:
         self._writer.close(CLOSE_FLUSH_S)
+        self._readers.shutdown(wait=True)
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
@@ -217,7 +241,10 @@ class RedisTier:
     def _read(self, client: Any, keys: list[bytes]) -> list[Any]:
         if len(keys) == 1:  # one page: a plain GET, no pipeline bookkeeping
             rkey = self._prefix + keys[0]
-            return [client.getex(rkey, ex=self._ttl_s) if self._ttl_s else client.get(rkey)]
+            try:
+                return [client.getex(rkey, ex=self._ttl_s) if self._ttl_s else client.get(rkey)]
+            except redis.exceptions.ResponseError as exc:  # e.g. WRONGTYPE: a miss, as in a pipeline
+                return [exc]
         pipe = self._pipeline(client)
         for key in keys:
             if self._ttl_s:

@@ -1,0 +1,174 @@
+"""Redis tier throughput: a 2 MiB page fetched through the store's Redis tier against a raw
+redis-py GET of the same value, and a multi-page fetch pipelined against page-by-page.
+
+    python bench/redis_tier.py [--pages 32] [--repeat 9] [--redis-url redis://...] [--json out.json]
+
+Without --redis-url it starts its own redis-server on a free loopback port (needs redis-server
+on PATH). The store is Redis-only (no CPU or disk tier), so every fetch reads Redis; the
+tier's cost over the raw GET is the record's checksum, header and the copy into the output
+tensor. Speeds are ratios measured in the same run, interleaved (machines here are shared and
+noisy); absolute MB/s are printed for context only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import redis  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import kvstore.store  # noqa: E402
+import tiers.redis  # noqa: E402
+from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
+from kvstore.keys import namespace_key, prefix_keys  # noqa: E402
+from tiers.redis_conn import make_client  # noqa: E402
+
+# 32 layers x 8 KV heads x 128 dims x fp16 x 16 tokens = a 2 MiB page (Llama-3-8B's shape).
+SPEC_2MIB = ModelSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
+# A small model's 16-token page (64 KiB): round trips, not bytes, dominate its fetch.
+SPEC_64KIB = ModelSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16", page_size=16)
+PREFIX = "bench:"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(subject: Callable[[], object], baseline: Callable[[], object], repeat: int,
+                bar: tqdm) -> dict:
+    """Median seconds of each, and the median of per-round ratios baseline/subject (> 1: the
+    subject is faster), with the two run back to back each round so both see the same load."""
+    pairs = []
+    for _ in range(repeat):
+        pairs.append((timed(subject), timed(baseline)))
+        bar.update(1)
+    return {"subject_s": statistics.median(p[0] for p in pairs), "baseline_s": statistics.median(p[1] for p in pairs),
+            "ratio": statistics.median(p[1] / p[0] for p in pairs)}
+
+
+class Server:
+    """A redis-server of our own on a free loopback port, in a temporary directory."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            sys.exit("redis-server is not installed (make system-deps), or pass --redis-url")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = tempfile.mkdtemp(prefix="kvstore-bench-redis-")
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        for _ in range(200):
+            try:
+                if redis.Redis(port=self.port).ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.02)
+        sys.exit("redis-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def stored_prompt(store: KVStore, spec: ModelSpec, pages: int, seed: int) -> tuple[list[int], torch.Tensor, list[bytes]]:
+    """Store `pages` pages through the store, wait for Redis to hold them, fetch once (the index
+    then knows them: later fetches are steady-state Redis reads). Returns tokens, KV, Redis keys."""
+    n = pages * spec.page_size
+    tokens = list(range(seed * 10**6, seed * 10**6 + n))
+    kv = torch.randn(spec.kv_shape(n), generator=torch.Generator().manual_seed(seed)).half()  # (L, 2, T, H, D)
+    store.store("m", tokens, kv)
+    store._record_tiers["redis"].flush(60)
+    assert torch.equal(store.fetch("m", tokens).kv, kv), "the Redis tier returned other bytes"
+    keys = [PREFIX.encode() + k for k in prefix_keys(namespace_key("m", spec.fingerprint), tokens, spec.page_size)]
+    return tokens, kv, keys
+
+
+def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, bar: tqdm) -> dict:
+    config = StoreConfig(data_dir=None, cpu_bytes=0, disk_bytes=0, redis_url=url, redis_key_prefix=PREFIX,
+                         redis_timeout_s=30)
+    raw = make_client(url, 30)  # the same socket settings as the tier, without the tier
+    out: dict = {"page_bytes": spec.page_bytes, "pages": pages}
+    with KVStore(config) as store:
+        store.register_model("m", spec)
+        one, _, one_keys = stored_prompt(store, spec, 1, seed=1)
+        out["one_page"] = interleaved(lambda: store.fetch("m", one), lambda: raw.get(one_keys[0]), repeat, bar)
+        many, _, keys = stored_prompt(store, spec, pages, seed=2)
+        out["pipelined_vs_raw_gets"] = interleaved(lambda: store.fetch("m", many),
+                                                   lambda: [raw.get(k) for k in keys], repeat, bar)
+
+        def raw_pipeline() -> list:
+            pipe = raw.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            return pipe.execute()
+
+        out["pipelined_vs_raw_pipeline"] = interleaved(lambda: store.fetch("m", many), raw_pipeline, repeat, bar)
+        batch, ahead = kvstore.store.READ_BATCH_BYTES, tiers.redis.READ_AHEAD
+
+        def page_by_page() -> None:
+            # One page per round trip, none ahead: the same code path, unpipelined.
+            kvstore.store.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = 1, 1
+            try:
+                store.fetch("m", many)
+            finally:
+                kvstore.store.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = batch, ahead
+
+        out["pipelined_vs_page_by_page"] = interleaved(lambda: store.fetch("m", many), page_by_page, repeat, bar)
+    raw.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", type=int, default=32, help="pages per multi-page fetch")
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--redis-url", help="an existing Redis (default: start a redis-server here)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    server = None if args.redis_url else Server()
+    url = args.redis_url or server.url  # type: ignore[union-attr]
+    results = {}
+    try:
+        with tqdm(total=2 * 4 * args.repeat, desc="redis tier", unit="run") as bar:
+            for name, spec in (("2MiB", SPEC_2MIB), ("64KiB", SPEC_64KIB)):
+                results[name] = bench_spec(url, spec, args.pages, args.repeat, bar)
+    finally:
+        if server is not None:
+            server.stop()
+    for name, r in results.items():
+        mb = r["page_bytes"] / 1e6
+        one = r["one_page"]
+        print(f"{name} page fetch: tier {one['subject_s'] * 1e3:.2f} ms ({mb / one['subject_s']:.0f} MB/s), "
+              f"raw GET {one['baseline_s'] * 1e3:.2f} ms -> {one['ratio']:.2f}x raw")
+        total = mb * r["pages"]
+        for key, label in (("pipelined_vs_page_by_page", "page-by-page tier fetch"),
+                           ("pipelined_vs_raw_gets", "raw GET per page"),
+                           ("pipelined_vs_raw_pipeline", "raw pipelined GETs")):
+            c = r[key]
+            print(f"{name} x{r['pages']} fetch: pipelined {c['subject_s'] * 1e3:.1f} ms ({total / c['subject_s']:.0f} MB/s) "
+                  f"vs {label} {c['baseline_s'] * 1e3:.1f} ms -> {c['ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
