@@ -133,16 +133,16 @@ class PrefixReuse:
             matched = fetched.matched_tokens
             if matched < max(1, min_reuse_tokens):
                 return PrefixHit(tiers=dict(found.tiers))  # evicted between lookup and fetch
-            kv = self._check_kv(fetched.kv, matched, len(query))
+            kv = self._check_kv(fetched.kv, matched, found.matched_tokens)
         except Exception as exc:
             return PrefixHit(error=self._degrade("lookup/fetch", exc))
         cache.scatter(table, kv, start=0)
         return PrefixHit(reused_tokens=matched, tiers=dict(found.tiers))
 
-    def _check_kv(self, kv: Any, matched: int, limit: int) -> torch.Tensor:
+    def _check_kv(self, kv: Any, matched: int, asked: int) -> torch.Tensor:
         # Trust nothing from across a process boundary: a wrong shape or dtype means a wrong answer.
-        if not 0 < matched <= limit:
-            raise ValueError(f"fetch matched {matched} tokens of a {limit}-token query")
+        if not 0 < matched <= asked:
+            raise ValueError(f"fetch matched {matched} tokens of a {asked}-token query")
         kv = torch.as_tensor(kv)
         expected = self.model.spec.kv_shape(matched)
         if tuple(kv.shape) != expected or kv.dtype != self.model.dtype:
@@ -165,4 +165,6 @@ class PrefixReuse:
         except Exception as exc:
             self._degrade("store", exc)
             return known_tokens
-        return max(known_tokens, min(result.stored_tokens, len(tokens)))
+        # Less than `known_tokens` when the prefix was evicted meanwhile: the next store then starts
+        # earlier and sends it again.
+        return min(result.stored_tokens, len(tokens))
