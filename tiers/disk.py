@@ -25,8 +25,9 @@ import lmdb
 import zstandard
 
 from tiers.base import PageRecord
+from tiers.disk_open import open_environment
 from tiers.disk_record import (CorruptRecord, decode_header, encode_header, header_to_record,
-                               payload_crc)
+                               payload_checksum)
 
 log = logging.getLogger("kvstore.disk")
 
@@ -84,9 +85,8 @@ class DiskTier:
         existing = os.path.join(path, "data.mdb")
         if os.path.exists(existing):  # reopen at least as large as the file already is
             self._map_bytes = max(self._map_bytes, min(capacity_bytes, os.path.getsize(existing)))
-        # sync=False (write-back): a crash may lose the last commits, never consistency.
-        self.env = lmdb.open(path, map_size=self._map_bytes, max_dbs=2, subdir=True, sync=sync,
-                             metasync=sync, readahead=False, max_readers=512, lock=True)
+        # A damaged environment is moved aside here and the tier starts empty (disk_open.py).
+        self.env = open_environment(path, self._map_bytes, sync=sync)
         self._meta = self.env.open_db(b"meta")
         self._data = self.env.open_db(b"data")
         self._rw = _ReadWriteLock()
@@ -130,13 +130,16 @@ class DiskTier:
             with self.env.begin() as txn:
                 meta = txn.get(key, db=self._meta)
                 payload = txn.get(key, db=self._data)
+        except lmdb.Error as exc:  # a damaged B-tree or overflow page under this record: a miss
+            self._corrupt(key, f"{type(exc).__name__}: {exc}")
+            return None
         finally:
             self._rw.release_read()
         if meta is None:
             return None
         try:
             header = decode_header(meta, key)
-            if payload is None or len(payload) != header["size"] or payload_crc(payload) != header["crc"]:
+            if payload is None or len(payload) != header["size"] or payload_checksum(payload) != header["checksum"]:
                 raise CorruptRecord("payload checksum mismatch")
             if header["comp"] == "zstd":
                 payload = zstandard.ZstdDecompressor().decompress(payload)
@@ -150,8 +153,11 @@ class DiskTier:
             pending = self._pending.get(key)
         if pending is not None:
             return pending is not _DELETE
-        with self.env.begin(db=self._meta) as txn:
-            return txn.get(key) is not None
+        try:
+            with self.env.begin(db=self._meta) as txn:
+                return txn.get(key) is not None
+        except lmdb.Error:  # damaged under this key: get() will count and delete it
+            return False
 
     def __len__(self) -> int:
         return self._entries()

@@ -3,7 +3,7 @@ share (DESIGN §5). It is the bottom tier; the store decides what goes here and 
 
 - Key: `redis_key_prefix` + the 16-byte page key (namespace-scoped by construction: chained
   blake2b from the namespace). Value: one record, tiers/redis_record.py (the disk format: header
-  with token ids and crc32, payload optionally zstd), so a corrupt or foreign value is a miss,
+  with token ids and a checksum, payload optionally zstd), so a corrupt or foreign value is a miss,
   deleted and counted.
 - Reads (`get_many`, `probe`) are pipelined GET / EXISTS, one round trip per batch; writes and
   deletes go through a write-behind thread (tiers/redis_writer.py) that pipelines them.

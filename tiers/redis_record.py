@@ -3,7 +3,7 @@ framed into a single string so a page is written and read atomically with one SE
 
     value = u32 LE header length | header (crc32 + msgpack, as on disk) | stored payload
 
-The header carries the payload's crc32 and stored length, the token ids and the key, so a
+The header carries the payload's checksum and stored length, the token ids and the key, so a
 truncated, overwritten or foreign value fails `decode_value` with `CorruptRecord` and becomes a
 miss, never wrong KV. What this module does not do: talk to Redis.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import zstandard
 
 from tiers.base import PageRecord
-from tiers.disk_record import CorruptRecord, decode_header, encode_header, header_to_record, payload_crc
+from tiers.disk_record import CorruptRecord, decode_header, encode_header, header_to_record, payload_checksum
 
 LENGTH_BYTES = 4
 
@@ -46,7 +46,7 @@ def decode_value(value: bytes, key: bytes) -> PageRecord:
         raise CorruptRecord("header length beyond the value")
     header = decode_header(bytes(view[LENGTH_BYTES:end]), key)
     payload: Any = view[end:]
-    if len(payload) != header["size"] or payload_crc(payload) != header["crc"]:
+    if len(payload) != header["size"] or payload_checksum(payload) != header["checksum"]:
         raise CorruptRecord("payload checksum mismatch")
     if header["comp"] == "zstd":
         try:
