@@ -49,3 +49,14 @@ def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFi
     lines = capsys.readouterr().out.splitlines()
     assert "reused 0;" in lines[1] and "reused 75;" in lines[2]  # 64 + 8 + 4 - 1
     assert all("same tokens" in line for line in lines[1:])
+
+
+def test_generate_through_a_server_url(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("api.client")
+    from decode.sidecar import InProcessSidecar
+    from kvstore.config import StoreConfig
+
+    argv = ["generate", "--prompt-tokens", ",".join(map(str, range(40))), "--max-new-tokens", "3"]
+    with InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=8 << 20, disk_bytes=0)) as url:
+        assert run(argv + ["--server", url]) == 0 and run(argv + ["--server", url]) == 0
+    assert "reused 39/40" in capsys.readouterr().err
