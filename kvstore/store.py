@@ -82,7 +82,9 @@ class KVStore:
                 compression=config.disk_compression, zstd_level=config.zstd_level,
                 sync=config.durability == "write-through", queue_pages=config.disk_writer_queue)
             self._codecs["disk"] = get_codec(config.disk_codec)
-            capacities.append(("disk", int(config.disk_bytes * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES))
+            # The tier's capacity, not disk_bytes: it is smaller on a filesystem with less room.
+            disk_capacity = self._record_tiers["disk"].capacity_bytes
+            capacities.append(("disk", max(0, int(disk_capacity * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES)))
         if config.redis_url:
             from tiers.redis import RedisTier
 
@@ -447,6 +449,10 @@ class KVStore:
                 self._counters["stored_pages"] += len(writes) if ok else 0
         for event in durable:
             event.wait()
+        lost = sum(not getattr(event, "ok", True) for event in durable)
+        if lost:  # the disk refused the write (full): the pages are not durable, or not stored at all
+            raise InsufficientStorage(f"store: the disk tier could not write {lost} of the pages (disk full?); "
+                                      "they are not stored durably")
         return StoreResult(stored_tokens, len(writes))
 
     def _covering_sibling(self, parent: Node, ptoks: bytes) -> Node | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import threading
 from typing import Iterator
 
@@ -69,6 +70,12 @@ class _ReadWriteLock:
             self._cond.notify_all()
 
 
+class WriteTicket(threading.Event):
+    """Set once a put's batch is committed or has failed; `ok` says which (a full disk)."""
+
+    ok = True
+
+
 class DiskTier:
     name = "disk"
 
@@ -83,8 +90,17 @@ class DiskTier:
         self._zstd_level = zstd_level
         self._map_bytes = min(capacity_bytes, INITIAL_MAP_BYTES)
         existing = os.path.join(path, "data.mdb")
-        if os.path.exists(existing):  # reopen at least as large as the file already is
-            self._map_bytes = max(self._map_bytes, min(capacity_bytes, os.path.getsize(existing)))
+        existing_bytes = os.path.getsize(existing) if os.path.exists(existing) else 0
+        # A filesystem smaller than disk_bytes: the store's accounting must evict before the
+        # disk says ENOSPC, or every write past that point fails and its page is lost.
+        room = existing_bytes + shutil.disk_usage(path).free
+        if room < capacity_bytes:
+            log.warning("disk tier: disk_bytes %d exceeds what the filesystem under %s holds (%d bytes "
+                        "with this tier's file); using %d", capacity_bytes, path, room, room)
+            self.capacity_bytes = capacity_bytes = room
+            self._map_bytes = min(self._map_bytes, capacity_bytes)
+        if existing_bytes:  # reopen at least as large as the file already is
+            self._map_bytes = max(self._map_bytes, min(capacity_bytes, existing_bytes))
         # A damaged environment is moved aside here and the tier starts empty (disk_open.py).
         self.env = open_environment(path, self._map_bytes, sync=sync)
         self._meta = self.env.open_db(b"meta")
@@ -104,8 +120,8 @@ class DiskTier:
             return txn.stat(self._meta)["entries"]
 
     # -- the protocol ------------------------------------------------------------------------
-    def put(self, record: PageRecord) -> threading.Event:
-        done = threading.Event()
+    def put(self, record: PageRecord) -> "WriteTicket":
+        done = WriteTicket()
         with self._pending_lock:
             self._pending[record.key] = record
         self._queue.put((record.key, record, done))
@@ -229,16 +245,18 @@ class DiskTier:
                     ops.append((key, encode_header(op, compression=comp, stored_payload=stored), stored, op))
                 elif op is _DELETE:
                     ops.append((key, None, None, op))
-            self._commit(ops)
+            failed = self._commit(ops)
             with self._pending_lock:
                 for key, _, _, op in ops:
                     if self._pending.get(key) is op:
                         del self._pending[key]
-            for _, _, done in batch:
+            for key, _, done in batch:
                 if done is not None:
+                    done.ok = key not in failed
                     done.set()
 
-    def _commit(self, ops: list) -> None:
+    def _commit(self, ops: list) -> set[bytes]:
+        """Write one batch; the keys of puts that could not be written."""
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -249,7 +267,7 @@ class DiskTier:
                         else:
                             txn.put(key, meta, db=self._meta)
                             txn.put(key, payload, db=self._data)
-                return
+                return set()
             except lmdb.MapFullError:
                 if self._map_bytes >= self.capacity_bytes:
                     break
@@ -260,6 +278,7 @@ class DiskTier:
         # Nothing of this batch was committed; deletes are retried one by one (they free room),
         # puts are reported lost so the store forgets those copies.
         self.write_errors += 1
+        failed: set[bytes] = set()
         for key, meta, payload, _ in ops:
             try:
                 with self.env.begin(write=True) as txn:
@@ -271,8 +290,10 @@ class DiskTier:
                         txn.put(key, payload, db=self._data)
             except lmdb.Error:
                 if meta is not None:
+                    failed.add(key)
                     with self._pending_lock:
                         self._failed.append(key)
+        return failed
 
     def _grow(self) -> None:
         new_bytes = min(self.capacity_bytes, self._map_bytes * 2)
