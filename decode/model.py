@@ -104,6 +104,7 @@ class LlamaModel(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.rope_scaling_dict)
+        self._kv_cache: PagedKVCache | None = None  # a plain attribute: never in the state_dict
 
     @property
     def dtype(self) -> torch.dtype:
@@ -125,11 +126,12 @@ class LlamaModel(nn.Module):
         One request at a time uses it (generate is not reentrant per model).
         """
         pages = -(-num_tokens // self.spec.page_size)
-        cache = self.__dict__.get("_kv_cache")
-        if cache is None or cache.num_blocks < pages:
+        cache = self._kv_cache
+        if cache is None or cache.num_blocks < pages or cache.buffer.device != self.device \
+                or cache.buffer.dtype != self.dtype:
             cache = PagedKVCache(self.spec, pages, device=self.device, dtype=self.dtype)
             cache.buffer.zero_()  # touch every page now, not inside a request
-            self.__dict__["_kv_cache"] = cache  # not an nn.Module attribute: never in state_dict
+            self._kv_cache = cache
         return cache
 
     @torch.inference_mode()
