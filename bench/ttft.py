@@ -71,12 +71,16 @@ class Row:
 def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                              "--data-dir", str(tmp / "sidecar"), "--cpu-bytes", "2GiB", "--disk-bytes", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
-    found = re.search(r"http://[\d.]+:\d+", proc.stdout.readline())
-    if not found:
-        proc.kill()
-        raise SystemExit("bench/ttft.py: kvstore serve did not start")
-    return proc, found.group(0)
+                            stdout=subprocess.PIPE, stderr=(tmp / "sidecar.log").open("w"), text=True, cwd=REPO)
+    seen = []
+    for line in proc.stdout:  # the startup line names the bound port; anything before it is skipped
+        seen.append(line)
+        found = re.search(r"http://[\d.]+:\d+", line)
+        if found:
+            return proc, found.group(0)
+    proc.kill()
+    log = (tmp / "sidecar.log").read_text()[-2000:]
+    raise SystemExit(f"bench/ttft.py: kvstore serve did not start: {''.join(seen[-5:])!r}\n{log}")
 
 
 def random_tokens(gen: torch.Generator, n: int) -> list[int]:

@@ -30,13 +30,17 @@ class Sidecar:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.cli", "serve", "--host", "127.0.0.1", "--port", "0",
              "--data-dir", str(data_dir), "--cpu-bytes", "16MiB", "--disk-bytes", "64MiB"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()  # the startup line names the bound port
-        found = re.search(r"http://[\d.]+:\d+", line)
-        if not found:
-            self.proc.kill()
-            pytest.fail(f"kvstore serve did not start: {line!r}")
-        self.url = found.group(0)
+            stdout=subprocess.PIPE, stderr=(data_dir.parent / "sidecar.log").open("a"), text=True)
+        seen = []
+        for line in self.proc.stdout:  # the startup line names the bound port
+            seen.append(line)
+            found = re.search(r"http://[\d.]+:\d+", line)
+            if found:
+                self.url = found.group(0)
+                return
+        self.proc.kill()
+        log = (data_dir.parent / "sidecar.log").read_text()[-2000:]
+        pytest.fail(f"kvstore serve did not start: {''.join(seen[-5:])!r}\n{log}")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
