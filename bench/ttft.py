@@ -221,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             even = {} if args.no_break_even else break_even(model, backends, gen, BREAK_EVEN_REPEATS, bar)
         for name, info in even.items():
             first = info["break_even_prefix_tokens"]
-        where = ("never in the tested range" if first is None else
-                 f"from <= {first} tokens (the shortest tested)" if first == BREAK_EVEN_PREFIXES[0] else
-                 f"from a {first}-token prefix")
-        print(f"break-even {name:7s}: reuse pays {where} (prefixes {BREAK_EVEN_PREFIXES[0]}.."
-              f"{BREAK_EVEN_PREFIXES[-1]}, plus one computed page)")
+            where = ("never in the tested range" if first is None else
+                     f"from <= {first} tokens (the shortest tested)" if first == BREAK_EVEN_PREFIXES[0] else
+                     f"from a {first}-token prefix")
+            print(f"break-even {name:7s}: reuse pays {where} (prefixes {BREAK_EVEN_PREFIXES[0]}.."
+                  f"{BREAK_EVEN_PREFIXES[-1]}, plus one computed page)")
     longest = max(lengths)
     verdicts = {r.backend: r.ratio <= TARGETS[r.backend] for r in rows if r.length == longest and longest >= 8192}
     for name, ok in verdicts.items():
