@@ -5,40 +5,63 @@ aiohttp's `Request.read()` grows a bytearray chunk by chunk and then copies it i
 final buffer up front and copy each received chunk into place once; the buffer is writable, so
 `torch.frombuffer` can view it without a warning or a copy. Used by the server and the async
 client alike.
+
+A Content-Length is a claim, not bytes: only the first EAGER_ALLOC_BYTES are allocated up front,
+and the buffer then grows (doubling) as bytes actually arrive, so a client that announces 1 GiB
+and sends nothing costs 4 MiB, not 1 GiB. `deadline` (loop time) bounds how long a whole body
+may take: a client that sends a byte a second is cut off (RequestTimeout) instead of holding a
+connection and its buffer forever.
 """
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import StreamReader
 
-from kvstore.errors import InvalidRequest, PayloadTooLarge
+from kvstore.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 
 # Let the transport run ahead of us by this much before aiohttp pauses reading: the default
 # (128 KiB) would pause and resume the socket a dozen times per 2 MiB page.
 READ_AHEAD_BYTES = 8 << 20
+EAGER_ALLOC_BYTES = 4 << 20  # a 2 MiB page and its fields fit: the common body is never regrown
 
 
-async def read_exact(stream: StreamReader, nbytes: int) -> bytearray:
+async def _next_chunk(stream: StreamReader, deadline: float | None, got: int) -> bytes:
+    if deadline is None:
+        return await stream.readany()
+    remaining = deadline - asyncio.get_running_loop().time()
+    try:
+        if remaining <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(stream.readany(), remaining)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(f"body: not received in time ({got} bytes arrived); "
+                             "the server's --body-timeout-s bounds a whole body", field="body") from None
+
+
+async def read_exact(stream: StreamReader, nbytes: int, deadline: float | None = None) -> bytearray:
     """Exactly `nbytes` from `stream` into a fresh bytearray, one copy per byte."""
     stream.set_read_chunk_size(min(max(nbytes, 1 << 16), READ_AHEAD_BYTES))
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
+    buf = bytearray(min(nbytes, EAGER_ALLOC_BYTES))
     got = 0
     while got < nbytes:
-        chunk = await stream.readany()
+        chunk = await _next_chunk(stream, deadline, got)
         if not chunk:
             raise InvalidRequest(f"body: ended after {got} of {nbytes} bytes (Content-Length)", field="body")
         end = got + len(chunk)
         if end > nbytes:
             raise InvalidRequest(f"body: longer than its Content-Length of {nbytes} bytes", field="body")
-        view[got:end] = chunk
+        if end > len(buf):  # grow only for bytes that arrived (doubling: amortized one copy)
+            buf += bytes(min(nbytes, max(end, 2 * len(buf))) - len(buf))
+        buf[got:end] = chunk
         got = end
     return buf
 
 
-async def read_limited(stream: StreamReader, max_bytes: int) -> bytearray:
+async def read_limited(stream: StreamReader, max_bytes: int, deadline: float | None = None) -> bytearray:
     """A body of unknown length (chunked transfer encoding), refused past `max_bytes`."""
     buf = bytearray()
-    while chunk := await stream.readany():
+    while chunk := await _next_chunk(stream, deadline, len(buf)):
         buf += chunk
         if len(buf) > max_bytes:
             raise PayloadTooLarge(f"body: exceeds the limit of {max_bytes} bytes", field="body")

@@ -23,6 +23,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
     socket_buffer_bytes: int = 4 << 20  # SO_SNDBUF/SO_RCVBUF: a 2 MiB page in one send
     executor_threads: int = 8  # threads for blocking store calls (LMDB, big copies)
+    body_timeout_s: float = 60.0  # a whole request body must arrive within this (slow clients: 408)
+    max_connections: int = 1024  # open client connections; one more is answered 503 and closed
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -37,6 +39,9 @@ class ServerConfig:
             raise ValueError(f"insecure: expected true or false, got {self.insecure!r}")
         if not (isinstance(self.shutdown_timeout_s, (int, float)) and 0 <= self.shutdown_timeout_s <= 3600):
             raise ValueError(f"shutdown_timeout_s: must be in [0, 3600], got {self.shutdown_timeout_s!r}")
+        if not (isinstance(self.body_timeout_s, (int, float)) and 0 < self.body_timeout_s <= 3600):
+            raise ValueError(f"body_timeout_s: must be in (0, 3600], got {self.body_timeout_s!r}")
+        _check_int("max_connections", self.max_connections, 1, 1 << 20)
         if self.auth_file is not None and (not isinstance(self.auth_file, str) or not self.auth_file):
             raise ValueError(f"auth_file: expected a path, got {self.auth_file!r}")
 

@@ -25,6 +25,12 @@ _SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xD9: (1, 0), 0xDA: (2, 0), 
           0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1)}
 
 
+# Caps on what a field's value may unpack into, so a small body cannot make a huge object: the
+# store refuses token lists past 2**21 anyway, and no field is a large map.
+MAX_ARRAY_LEN = 1 << 21
+MAX_MAP_LEN = 1 << 12
+
+
 class FramingError(ValueError):
     """The body is not a well-formed msgpack map with string keys."""
 
@@ -43,10 +49,17 @@ def _map_header(buf: memoryview) -> tuple[int, int]:
     if 0x80 <= t <= 0x8F:
         return t & 0x0F, 1
     if t == 0xDE:
-        return _uint(buf, 1, 2), 3
+        return _count(_uint(buf, 1, 2), MAX_MAP_LEN, "map"), 3
     if t == 0xDF:
-        return _uint(buf, 1, 4), 5
+        return _count(_uint(buf, 1, 4), MAX_MAP_LEN, "map"), 5
     raise FramingError("expected a msgpack map at the top level")
+
+
+def _count(n: int, limit: int, kind: str) -> int:
+    # Checked before walking: walking 10**7 declared elements costs seconds of Python.
+    if n > limit:
+        raise FramingError(f"{kind} of {n} entries exceeds the limit of {limit}")
+    return n
 
 
 def _skip(buf: memoryview, pos: int) -> int:
@@ -76,11 +89,11 @@ def _skip(buf: memoryview, pos: int) -> int:
             pos += 1 + width + extra + _uint(buf, pos + 1, width)
         elif t in (0xDC, 0xDD):
             width = 2 if t == 0xDC else 4
-            remaining += _uint(buf, pos + 1, width)
+            remaining += _count(_uint(buf, pos + 1, width), MAX_ARRAY_LEN, "array")
             pos += 1 + width
         elif t in (0xDE, 0xDF):
             width = 2 if t == 0xDE else 4
-            remaining += 2 * _uint(buf, pos + 1, width)
+            remaining += 2 * _count(_uint(buf, pos + 1, width), MAX_MAP_LEN, "map")
             pos += 1 + width
         else:  # 0xC1 is the one byte msgpack never uses
             raise FramingError(f"invalid msgpack type byte 0x{t:02x}")
@@ -114,7 +127,8 @@ def unpack_map(body: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 def _unpack(data: memoryview) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
+                               max_map_len=MAX_MAP_LEN)
     except (ValueError, msgpack.UnpackException) as exc:  # bad utf-8, ext types, ...
         raise FramingError(f"malformed msgpack: {exc}") from None
 

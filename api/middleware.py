@@ -35,7 +35,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except KVStoreError as exc:
         if exc.status >= 500:
             log.warning("%s %s: %s: %s", request.method, request.path, exc.code, exc.message)
-        return error_response(request, exc.status, exc.code, exc.message)
+        response = error_response(request, exc.status, exc.code, exc.message)
+        if exc.status in (408, 413):  # the rest of the body may still be on its way: do not read it
+            response.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

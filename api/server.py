@@ -19,6 +19,7 @@ from aiohttp import web
 
 from api.app import create_app
 from api.config import ServerConfig
+from api.connection_limit import ConnectionLimitedSite
 from kvstore.config import StoreConfig
 from kvstore.sizes import format_bytes
 
@@ -94,7 +95,7 @@ async def _serve_until_signal(store: object, store_config: StoreConfig, server_c
                            shutdown_timeout=server_config.shutdown_timeout_s)
     await runner.setup()
     try:
-        await web.SockSite(runner, sock, backlog=1024).start()
+        await ConnectionLimitedSite(runner, sock, max_connections=server_config.max_connections).start()
         print(describe(store_config, server_config, sock), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

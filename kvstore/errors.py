@@ -66,6 +66,13 @@ class ModelConflict(KVStoreError):
     status = 409
 
 
+class RequestTimeout(KVStoreError):
+    """The request body did not arrive within the server's body timeout (a slow or stalled client)."""
+
+    code = "request_timeout"
+    status = 408
+
+
 class PayloadTooLarge(KVStoreError):
     code = "payload_too_large"
     status = 413

@@ -1,0 +1,50 @@
+"""A listening site that holds at most `max_connections` open client connections.
+
+aiohttp accepts every connection it is offered; each holds a socket, a parser and buffers, so
+thousands of idle or stalled clients (or one client opening sockets in a loop) exhaust file
+descriptors and memory. Past the limit a new connection is answered `503` with
+`Connection: close` and closed at once, before any of its bytes are parsed: the sidecar's
+existing clients keep their service, the new one knows to retry.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Callable
+
+from aiohttp import web
+
+_BODY = b'{"error": {"code": "too_many_connections", "message": "server connection limit reached; retry"}}'
+REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+           b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
+
+
+class _Refuse(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(REFUSAL)
+        transport.close()
+
+
+class ConnectionLimitedSite(web.SockSite):
+    """`web.SockSite` whose protocol factory refuses connections past `max_connections`."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, *, max_connections: int, backlog: int = 1024):
+        super().__init__(runner, sock, backlog=backlog)
+        self._max_connections = max_connections
+        self.refused = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner (SockSite.start would also listen)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._factory(server), sock=self._sock, backlog=self._backlog)
+
+    def _factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
+        def make() -> asyncio.BaseProtocol:
+            if len(server.connections) >= self._max_connections:
+                self.refused += 1
+                return _Refuse()
+            return server()
+        return make

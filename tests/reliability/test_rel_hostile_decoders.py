@@ -1,0 +1,92 @@
+"""Random bytes into the request decoder and the LMDB record decoder raise only their documented
+errors (InvalidRequest, CorruptRecord); bombs are refused cheaply."""
+from __future__ import annotations
+
+import resource
+import time
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from api.framing import unpack_map
+from api.wire import decode_msgpack, fetch_request, lookup_request, store_request
+from kvstore.errors import InvalidRequest
+from tiers.disk_record import CorruptRecord, decode_header
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6), max_leaves=30)
+
+
+@FAST
+@given(st.binary(max_size=300))
+def test_random_bytes_into_the_request_decoder(body):
+    try:
+        decode_msgpack(bytearray(body))
+    except InvalidRequest:
+        pass
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(["model", "tokens", "kv", "start", "dtype", "x"]), msgpack_values, max_size=6))
+def test_random_maps_into_the_request_parsers(fields):
+    body = decode_msgpack(bytearray(msgpack.packb(fields, use_bin_type=True)))
+    for parse in (lookup_request, fetch_request, store_request):
+        try:
+            parse(body)
+        except InvalidRequest:
+            pass
+
+
+@FAST
+@given(st.binary(max_size=300), st.binary(min_size=16, max_size=16))
+def test_random_bytes_into_the_record_decoder(value, key):
+    with pytest.raises(CorruptRecord):
+        decode_header(value, key)
+
+
+@FAST
+@given(msgpack_values, st.binary(min_size=16, max_size=16))
+def test_well_checksummed_garbage_headers_are_corrupt_records(header, key):
+    import zlib
+    packed = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(CorruptRecord):
+        decode_header((zlib.crc32(packed) & 0xFFFFFFFF).to_bytes(4, "little") + packed, key)
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+BOMBS = {
+    # a map header claiming 4 billion entries in a 5-byte body
+    "map of 2**32-1 entries": b"\xdf\xff\xff\xff\xff",
+    # an array header claiming 4 billion tokens, no elements
+    "array of 2**32-1 tokens": b"\x81\xa6tokens\xdd\xff\xff\xff\xff",
+    # a bin claiming 4 GiB
+    "bin of 4 GiB": b"\x81\xa2kv\xc6\xff\xff\xff\xff" + b"x" * 16,
+    # 100k nested arrays (recursion bomb)
+    "nested arrays": b"\x81\xa6tokens" + b"\x91" * 100_000 + b"\x01",
+    # 100k nested maps
+    "nested maps": b"\x81\xa6tokens" + b"\x81\xa1a" * 100_000 + b"\x01",
+    # 10**7 one-byte tokens: 10 MB of body that would unpack into an 80 MB list
+    "10**7 tokens": b"\x82\xa5model\xa1m\xa6tokens\xdd" + (10**7).to_bytes(4, "big") + b"\x01" * 10**7,
+}
+
+
+@pytest.mark.parametrize("name", list(BOMBS))
+def test_bombs_are_refused_cheaply(name):
+    before = _peak_rss_bytes()
+    began = time.perf_counter()
+    with pytest.raises(InvalidRequest):
+        lookup_request(decode_msgpack(bytearray(BOMBS[name])))
+    assert time.perf_counter() - began < 2.0
+    assert _peak_rss_bytes() - before < 64 << 20
+
+
+def test_unpack_map_views_bins_without_copying():
+    body = bytearray(msgpack.packb({"kv": b"abc"}, use_bin_type=True))
+    assert isinstance(unpack_map(body)["kv"], memoryview)
