@@ -24,7 +24,6 @@ from kvstore.errors import BackendUnavailable, InvalidRequest
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 
 DEFAULT_URL = "http://127.0.0.1:8100"
-_BLEND_NOTE = "comes with the CacheBlend routes (/v1/chunks/store, /v1/blend)"
 
 
 class KVStoreClient:
@@ -72,11 +71,13 @@ class KVStoreClient:
         return codec.store_result(self._call("POST", "/v1/store", codec.store_parts(model, tokens, kv, start)))
 
     def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None) -> StoreResult:
-        raise NotImplementedError(f"store_chunk {_BLEND_NOTE}")
+        codec.check_tenant(tenant)
+        return codec.store_result(self._call("POST", "/v1/chunks/store", codec.store_parts(model, tokens, kv)))
 
     def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
-              tenant: str | None = None) -> BlendResult:
-        raise NotImplementedError(f"blend {_BLEND_NOTE}")
+              tenant: str | None = None, device: str = "cpu") -> BlendResult:
+        codec.check_tenant(tenant)
+        return codec.blend_result(self._call("POST", "/v1/blend", [codec.blend_body(model, chunks, start_pos)]), device)
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/v1/stats")
@@ -179,11 +180,14 @@ class AsyncKVStoreClient:
 
     async def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *,
                           tenant: str | None = None) -> StoreResult:
-        raise NotImplementedError(f"store_chunk {_BLEND_NOTE}")
+        codec.check_tenant(tenant)
+        return codec.store_result(await self._call("POST", "/v1/chunks/store", codec.store_parts(model, tokens, kv)))
 
     async def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
-                    tenant: str | None = None) -> BlendResult:
-        raise NotImplementedError(f"blend {_BLEND_NOTE}")
+                    tenant: str | None = None, device: str = "cpu") -> BlendResult:
+        codec.check_tenant(tenant)
+        obj = await self._call("POST", "/v1/blend", [codec.blend_body(model, chunks, start_pos)])
+        return codec.blend_result(obj, device)
 
     async def stats(self) -> dict[str, Any]:
         return await self._call("GET", "/v1/stats")

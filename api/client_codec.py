@@ -20,7 +20,7 @@ from api.framing import FramingError, pack_map_prefix, unpack_map
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
-from kvstore.results import FetchResult, LookupResult, StoreResult
+from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -76,6 +76,15 @@ def store_parts(model: str, tokens: Any, kv: Any, start: int = 0) -> Parts:
     return [pack_map_prefix(fields, "kv", raw.nbytes), raw]
 
 
+def blend_body(model: str, chunks: Any, start_pos: int = 0) -> bytes:
+    if isinstance(chunks, (str, bytes)) or not hasattr(chunks, "__len__"):
+        raise InvalidTokens(f"chunks: expected a list of token lists, got {type(chunks).__name__}", field="chunks")
+    fields: dict[str, Any] = {"model": model, "chunks": [tokens_bin(c) for c in chunks]}
+    if start_pos:
+        fields["start_pos"] = start_pos
+    return small_body(fields)
+
+
 def decode(status: int, content_type: str, body: bytearray | bytes) -> Any:
     """The response's object; raises the matching KVStoreError for a 4xx/5xx."""
     try:
@@ -116,6 +125,11 @@ def fetch_result(obj: dict[str, Any], device: str = "cpu") -> FetchResult:
     kv = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
     kv = kv.view(shape)  # (L, 2, T, H, D)
     return FetchResult(matched_tokens=obj["matched_tokens"], kv=kv if device == "cpu" else kv.to(device))
+
+
+def blend_result(obj: dict[str, Any], device: str = "cpu") -> BlendResult:
+    kv = fetch_result({**obj, "matched_tokens": 0}, device).kv  # (L, 2, T, H, D), a view of the response
+    return BlendResult(hits=[bool(h) for h in obj["hits"]], kv=kv, positions=[(int(a), int(b)) for a, b in obj["positions"]])
 
 
 def model_path(model: str) -> str:

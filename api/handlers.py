@@ -84,3 +84,28 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 
     fields, raw = await run_blocking(request, get)
     return await wire.respond_kv(request, fields, raw)
+
+
+async def store_chunk(request: web.Request) -> web.Response:
+    req = wire.chunk_store_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    kvstore, tenant = request.app[STORE], tenant_of(request)
+
+    def put() -> dict:
+        spec = kvstore.get_spec(req.model, tenant=tenant)
+        kv = wire.kv_tensor(req.kv, spec, len(req.tokens), req.dtype)  # (L, 2, T, H, D)
+        return asdict(kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant))
+
+    return wire.respond(request, await run_blocking(request, put))
+
+
+async def blend(request: web.Request) -> web.StreamResponse:
+    req = wire.blend_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    kvstore, tenant = request.app[STORE], tenant_of(request)
+
+    def get() -> tuple[dict, object]:
+        result = kvstore.blend(req.model, req.chunks, start_pos=req.start_pos, tenant=tenant)
+        fields, raw = wire.kv_payload(result.kv)
+        return {"hits": result.hits, "positions": [list(p) for p in result.positions], **fields}, raw
+
+    fields, raw = await run_blocking(request, get)
+    return await wire.respond_kv(request, fields, raw)

@@ -55,6 +55,20 @@ SCHEMAS: dict[str, Any] = {
                                    "kv": {**_kv, "type": ["string", "null"], "description": "covers tokens[start:matched_tokens]; null on a miss"},
                                    "dtype": {"enum": list(DTYPE_BYTES)},
                                    "shape": {"type": "array", "items": _int, "minItems": 5, "maxItems": 5}}},
+    "ChunkStoreRequest": {"type": "object", "required": ["model", "tokens", "kv"], "additionalProperties": False,
+                          "properties": {"model": _model, "tokens": _tokens,
+                                         "kv": {**_kv, "description": _kv["description"] + "; the chunk computed standalone at positions 0..T-1"},
+                                         "dtype": {"enum": list(DTYPE_BYTES), "description": "optional check of kv's dtype"}}},
+    "BlendRequest": {"type": "object", "required": ["model", "chunks"], "additionalProperties": False,
+                     "properties": {"model": _model, "chunks": {"type": "array", "minItems": 1, "items": _tokens},
+                                    "start_pos": {**_int, "default": 0, "description": "position of the first chunk's first token"}}},
+    "BlendResult": {"type": "object", "required": ["hits", "positions", "kv"],
+                    "properties": {"hits": {"type": "array", "items": {"type": "boolean"}, "description": "per chunk: the store held all of it"},
+                                   "positions": {"type": "array", "items": {"type": "array", "items": _int, "minItems": 2, "maxItems": 2},
+                                                 "description": "per chunk: [start, end) positions in the new prompt"},
+                                   "kv": {**_kv, "description": "the chunks' KV end to end, K re-rotated to `positions`; missed chunks are zeros"},
+                                   "dtype": {"enum": list(DTYPE_BYTES)},
+                                   "shape": {"type": "array", "items": _int, "minItems": 5, "maxItems": 5}}},
     "DropResult": {"type": "object", "required": ["dropped_pages"], "properties": {"dropped_pages": _int}},
     "Stats": {"type": "object", "description": "per tier: pages, bytes, capacity, hits, misses, evictions; "
                                                f"corrupt_records; tier codecs among {', '.join(CODECS)}"},
@@ -83,6 +97,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
             for s, d in ((400, "bad input; the message names the field"), (401, "missing or unknown bearer token"),
                          (404, "unknown model"), (409, "a different spec is registered under this name"),
                          (413, "body over --max-body-bytes"), (415, "Content-Type is neither msgpack nor JSON"),
+                         (422, "the model's RoPE scaling cannot be re-rotated exactly (dynamic, yarn, longrope)"),
                          (507, "no tier can take the pages")) if s in statuses}
 
 
@@ -109,6 +124,12 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                             "responses": {**_ok("StoreResult"), **_errors(400, 401, 404, 413, 415, 507)}},
     ("POST", "/v1/fetch"): {"summary": "The cached KV of the longest matching prefix, from start", "requestBody": _body("FetchRequest"),
                             "responses": {**_ok("FetchResult"), **_errors(400, 401, 404, 413, 415)}},
+    ("POST", "/v1/chunks/store"): {"summary": "Store a chunk's standalone KV under its position-independent chunk key (CacheBlend)",
+                                   "requestBody": _body("ChunkStoreRequest"),
+                                   "responses": {**_ok("StoreResult"), **_errors(400, 401, 404, 413, 415, 507)}},
+    ("POST", "/v1/blend"): {"summary": "The chunks' KV end to end from start_pos, K re-rotated; per-chunk hits (CacheBlend)",
+                            "requestBody": _body("BlendRequest"),
+                            "responses": {**_ok("BlendResult"), **_errors(400, 401, 404, 413, 415, 422)}},
 }
 
 

@@ -20,4 +20,6 @@ ROUTES: list[web.RouteDef] = [
     web.post("/v1/lookup", handlers.lookup),
     web.post("/v1/store", handlers.store),
     web.post("/v1/fetch", handlers.fetch),
+    web.post("/v1/chunks/store", handlers.store_chunk),
+    web.post("/v1/blend", handlers.blend),
 ]

@@ -51,6 +51,13 @@ class StoreRequest(TokensRequest):
     dtype: str | None = None
 
 
+@dataclass(frozen=True)
+class BlendRequest:
+    model: str
+    chunks: list[Any]  # per chunk: list[int] or a 1-D int32 ndarray viewing the body
+    start_pos: int = 0
+
+
 # ---- reading ---------------------------------------------------------------------------------
 
 async def read_request(request: web.Request, max_body_bytes: int) -> dict[str, Any]:
@@ -155,6 +162,29 @@ def store_request(body: dict[str, Any]) -> StoreRequest:
     if dtype is not None and dtype not in TORCH_DTYPES:
         raise InvalidKV(f"dtype: must be one of {', '.join(TORCH_DTYPES)}, got {_show(dtype)}", field="dtype")
     return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), kv, dtype)
+
+
+def chunk_store_request(body: dict[str, Any]) -> StoreRequest:
+    check_fields(body, ("model", "tokens", "kv"), ("dtype",))
+    return store_request(body)
+
+
+def blend_request(body: dict[str, Any]) -> BlendRequest:
+    check_fields(body, ("model", "chunks"), ("start_pos",))
+    chunks = body["chunks"]
+    if not isinstance(chunks, list) or not chunks:
+        raise InvalidTokens(f"chunks: expected a non-empty array of token arrays, got {_show(chunks)}", field="chunks")
+    parsed = []
+    for i, chunk in enumerate(chunks):
+        try:
+            # Nested bins arrive as bytes (only top-level ones are views of the body).
+            parsed.append(tokens(memoryview(bytearray(chunk)) if isinstance(chunk, bytes) else chunk))
+        except InvalidTokens as exc:
+            raise InvalidTokens(f"chunks[{i}]: {exc.message}", field="chunks") from None
+    start_pos = body.get("start_pos", 0)
+    if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= MAX_TOKEN_ID:
+        raise InvalidStart(f"start_pos: expected an int in [0, {MAX_TOKEN_ID}], got {_show(start_pos)}", field="start_pos")
+    return BlendRequest(model_name(body["model"]), parsed, start_pos)
 
 
 def model_spec(body: dict[str, Any]) -> ModelSpec:

@@ -5,6 +5,10 @@
 
 The last prompt token is always computed, so even a fully cached prompt yields logits. The
 result says what was reused and what it cost. Without a backend this is a plain decode loop.
+
+With `chunks`, the prompt is [prefix][chunk 1]...[chunk N][prompt_tokens] and its prefill is
+CacheBlend's (decode/blend.py): the chunks' KV comes from the store wherever they sat before,
+and a fraction `blend_ratio` of their tokens is recomputed.
 """
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from typing import Sequence
 import torch
 
 from decode.attention import AttentionContext
+from decode.blend import DEFAULT_BLEND_RATIO, ChunkReuse, blend_prefill, blended_prompt, cache_tokens
 from decode.model import LlamaModel
 from decode.paged_cache import BlockTable, PagedKVCache
-from decode.reuse import BackendWarning, PrefixReuse
+from decode.reuse import BackendWarning
 from decode.sampling import Sampler, SamplingParams
 from kvstore.backend import KVCacheBackend
 
@@ -38,6 +43,8 @@ class GenerateResult:
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> matched tokens, from lookup
     backend_error: str | None = None  # why the store could not be used, if it could not
     logits: torch.Tensor | None = None  # (N, V) float32 per generated token, when asked for
+    chunk_hits: list[bool] | None = None  # CacheBlend: per chunk, whether the store held it
+    recomputed_tokens: int = 0  # CacheBlend: chunk tokens recomputed past the first layer
 
     def summary(self) -> str:
         tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
@@ -59,49 +66,71 @@ def _check_prompt(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor
 def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max_new_tokens: int,
              backend: KVCacheBackend | None = None, *, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: Sequence[int] = (), tenant: str | None = None, timeout_s: float | None = 10.0,
-             min_reuse_tokens: int = 1, store: bool = True, return_logits: bool = False) -> GenerateResult:
+             min_reuse_tokens: int = 1, store: bool = True, return_logits: bool = False,
+             chunks: Sequence[Sequence[int]] | None = None, prefix: Sequence[int] = (),
+             blend_ratio: float = DEFAULT_BLEND_RATIO) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens after `prompt_tokens`.
 
     With a `backend`, the longest cached prefix of the prompt is fetched instead of computed
     (if at least `min_reuse_tokens` long), and with `store=True` the prompt and the output are
     stored for the next request. Each backend call is abandoned after `timeout_s`.
+
+    With `chunks` (CacheBlend), the prompt is `prefix + chunk 1 + ... + chunk N + prompt_tokens`:
+    stored chunks are reused at any position, a fraction `blend_ratio` of their tokens is
+    recomputed (0: plain concatenation of their KV, 1: exactly a full prefill), missed chunks are
+    computed and stored with `store_chunk`. Only the prefix is stored as a prefix.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
     start_time = time.perf_counter()
-    prompt = _check_prompt(model, prompt_tokens)
-    cache = model.kv_cache(len(prompt) + max_new_tokens)
+    if chunks is not None:
+        parts = _check_blend(model, prefix, chunks, prompt_tokens, blend_ratio)
+        prompt, slots = blended_prompt(*parts), cache_tokens(*parts, max_new_tokens)
+    else:
+        prompt = _check_prompt(model, prompt_tokens)
+        parts, slots = None, len(prompt) + max_new_tokens
+    cache = model.kv_cache(slots)
     table = cache.new_table()
     cache.reserve(table, len(prompt) + max_new_tokens)
-    reuse = PrefixReuse(model, backend, tenant=tenant, timeout_s=timeout_s) if backend is not None else None
+    reuse = ChunkReuse(model, backend, tenant=tenant, timeout_s=timeout_s) if backend is not None else None
     try:
         return _run(model, prompt, max_new_tokens, cache, table, reuse, start_time, sampling=sampling,
                     stop_token_ids=stop_token_ids, min_reuse_tokens=min_reuse_tokens, store=store,
-                    return_logits=return_logits)
+                    return_logits=return_logits, blend=parts, blend_ratio=blend_ratio)
     finally:
         cache.release(table)  # the cache outlives the request: give its pages back even on error
 
 
 def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: PagedKVCache, table: BlockTable,
-         reuse: PrefixReuse | None, start_time: float, *, sampling: SamplingParams, stop_token_ids: Sequence[int],
-         min_reuse_tokens: int, store: bool, return_logits: bool) -> GenerateResult:
+         reuse: ChunkReuse | None, start_time: float, *, sampling: SamplingParams, stop_token_ids: Sequence[int],
+         min_reuse_tokens: int, store: bool, return_logits: bool,
+         blend: tuple[list[int], list[list[int]], list[int]] | None = None,
+         blend_ratio: float = DEFAULT_BLEND_RATIO) -> GenerateResult:
     n = len(prompt)
-    hit = reuse.load_prefix(prompt, cache, table, min_reuse_tokens=min_reuse_tokens) if reuse else None
-    reused = hit.reused_tokens if hit else 0
-    fetch_s = time.perf_counter() - start_time
-
     device = model.device
-    ids = torch.tensor(prompt[reused:], dtype=torch.long, device=device)  # (n - reused,)
-    positions = torch.arange(reused, n, device=device)  # (n - reused,)
-    logits = model(ids, positions, cache, AttentionContext.for_span(cache, table, reused, n), logits="last")
-    table.num_tokens = n
+    if blend is not None:
+        outcome = blend_prefill(model, *blend, cache, table, reuse, ratio=blend_ratio, store=store)
+        hit, reused, fetch_s, logits = None, outcome.reused_tokens, outcome.fetch_s, outcome.logits
+        table.num_tokens = n
+    else:
+        outcome = None
+        hit = reuse.load_prefix(prompt, cache, table, min_reuse_tokens=min_reuse_tokens) if reuse else None
+        reused = hit.reused_tokens if hit else 0
+        fetch_s = time.perf_counter() - start_time
+        ids = torch.tensor(prompt[reused:], dtype=torch.long, device=device)  # (n - reused,)
+        positions = torch.arange(reused, n, device=device)  # (n - reused,)
+        logits = model(ids, positions, cache, AttentionContext.for_span(cache, table, reused, n), logits="last")
+        table.num_tokens = n
     sampler = Sampler(sampling)
     output = [sampler(logits)]
     first_token_time = time.perf_counter()
     kept = [logits] if return_logits else None
 
     # Stored after the first token so it never delays it; the next turn's hit starts here.
-    stored = reuse.store(prompt, cache, table, known_tokens=reused) if reuse and store else reused
+    if outcome is not None:  # CacheBlend: only the exact part, the prefix, is a prefix for others
+        stored = reuse.store(blend[0], cache, table) if reuse and store and blend[0] else 0
+    else:
+        stored = reuse.store(prompt, cache, table, known_tokens=reused) if reuse and store else reused
     decode_start = time.perf_counter()
     stops = set(stop_token_ids)
     while len(output) < max_new_tokens and output[-1] not in stops:
@@ -114,7 +143,7 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
             kept.append(logits)
     end_time = time.perf_counter()
 
-    if reuse and store and len(output) > 1:
+    if reuse and store and len(output) > 1 and outcome is None:
         # The last sampled token was never fed, so its KV does not exist: store up to the one before.
         stored = reuse.store(prompt + output[:-1], cache, table, known_tokens=stored)
     store_s = (decode_start - first_token_time) + (time.perf_counter() - end_time)
@@ -123,5 +152,16 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         ttft_s=first_token_time - start_time,
         tpot_s=(end_time - decode_start) / (len(output) - 1) if len(output) > 1 else None,
         fetch_s=fetch_s, store_s=store_s, stored_tokens=stored, tiers=hit.tiers if hit else {},
-        backend_error=hit.error if hit else None,
-        logits=torch.stack(kept) if kept is not None else None)
+        backend_error=outcome.error if outcome else hit.error if hit else None,
+        logits=torch.stack(kept) if kept is not None else None,
+        chunk_hits=outcome.chunk_hits if outcome else None, recomputed_tokens=outcome.recomputed_tokens if outcome else 0)
+
+
+def _check_blend(model: LlamaModel, prefix: Sequence[int], chunks: Sequence[Sequence[int]],
+                 question: Sequence[int] | torch.Tensor, ratio: float) -> tuple[list[int], list[list[int]], list[int]]:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"blend_ratio: must be a number in [0, 1], got {ratio!r}")
+    if not chunks:
+        raise ValueError("chunks: must hold at least one chunk")
+    checked = [_check_prompt(model, c) for c in chunks]  # each non-empty, ids in the vocabulary
+    return list(prefix) and _check_prompt(model, prefix), checked, _check_prompt(model, question)

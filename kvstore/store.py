@@ -35,8 +35,10 @@ from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import chunk_key, page_key
 from kvstore.placement import Placement
 from kvstore.registry import Model, ModelRegistry
+from kvstore.rerotate import check_rerotatable, rerotate_into
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
-from kvstore.validation import check_device, check_kv, check_model_name, check_start, token_bytes
+from kvstore.validation import (check_chunks, check_device, check_kv, check_model_name, check_start,
+                                check_start_pos, token_bytes)
 from tiers.base import PageRecord, TierFull
 from tiers.cpu import CPUTier
 from tiers.disk_cost import disk_record_cost
@@ -362,8 +364,28 @@ class KVStore:
         return self._store(chunk_key(entry.namespace, tb), entry.namespace, entry.spec, tb, kv, 0)
 
     def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
-              tenant: str | None = None) -> BlendResult:
-        raise NotImplementedError("blend arrives with the CacheBlend issue")
+              tenant: str | None = None, device: str = "cpu") -> BlendResult:
+        """The chunks' stored KV laid end to end from position `start_pos`, K re-rotated to those
+        positions (CacheBlend). A chunk hits only if the store holds all of it; a missed chunk's
+        KV is zeros, for the caller to compute (standalone) and `store_chunk`."""
+        entry = self._model(model, tenant)
+        check_rerotatable(entry.spec)  # before any work: never hand out KV at wrong positions
+        tbs = check_chunks(chunks, max_tokens=MAX_TOKENS)
+        start_pos = check_start_pos(start_pos)
+        dev = check_device(device)
+        lengths = [len(tb) // TOKEN_BYTES for tb in tbs]
+        kv = torch.empty(entry.spec.kv_shape(sum(lengths)), dtype=TORCH_DTYPES[entry.spec.dtype], device=dev)  # (L, 2, T, H, D)
+        hits, positions, offset = [], [], 0
+        for tb, n in zip(tbs, lengths):
+            found = self._fetch(chunk_key(entry.namespace, tb), entry.spec, tb, 0, dev)
+            hits.append(found.matched_tokens == n)  # a partial chunk is a miss: its KV is all or nothing
+            if hits[-1]:
+                rerotate_into(kv[:, :, offset:offset + n], found.kv, entry.spec, start_pos + offset)
+            else:
+                kv[:, :, offset:offset + n].zero_()
+            positions.append((start_pos + offset, start_pos + offset + n))
+            offset += n
+        return BlendResult(hits, kv, positions)
 
     def _store(self, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes, kv: torch.Tensor,
                start: int) -> StoreResult:

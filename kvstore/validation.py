@@ -94,3 +94,24 @@ def check_device(device: Any) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise InvalidRequest(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}", field="device")
     return dev
+
+
+def check_chunks(chunks: Any, *, max_tokens: int) -> list[bytes]:
+    """CacheBlend chunks: a non-empty list of non-empty token lists -> int32 LE bytes per chunk."""
+    if isinstance(chunks, (str, bytes, bytearray)) or not isinstance(chunks, (list, tuple)):
+        raise InvalidTokens(f"chunks: expected a list of token lists, got {type(chunks).__name__}", field="chunks")
+    if not chunks:
+        raise InvalidTokens("chunks: must hold at least one chunk", field="chunks")
+    out = [token_bytes(c, max_tokens=max_tokens, field=f"chunks[{i}]") for i, c in enumerate(chunks)]
+    for i, tb in enumerate(out):
+        if not tb:
+            raise InvalidTokens(f"chunks[{i}]: a chunk must hold at least one token", field="chunks")
+    if sum(map(len, out)) // 4 > max_tokens:
+        raise InvalidTokens(f"chunks: more than {max_tokens} tokens in all", field="chunks")
+    return out
+
+
+def check_start_pos(start_pos: Any) -> int:
+    if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= MAX_TOKEN_ID:
+        raise InvalidStart(f"start_pos: expected an integer in [0, {MAX_TOKEN_ID}], got {start_pos!r}", field="start_pos")
+    return start_pos

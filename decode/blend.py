@@ -1,0 +1,168 @@
+"""CacheBlend in the decode loop: reuse the KV of chunks that are not a prefix of the prompt.
+
+A prompt is [prefix][chunk 1]...[chunk N][question] (a system prompt, retrieved documents or
+tool outputs, the user's question). Its prefill:
+
+    prefix    prefix reuse as usual (fetch what the store holds, compute the rest)
+    chunks    `backend.blend`: each chunk's stored standalone KV, K re-rotated to the positions
+              the chunk takes here; a missed chunk is computed standalone (positions 0..n-1),
+              stored with `store_chunk` for the next request, and moved into place the same way
+    recompute decode/recompute.py: fresh KV for the fraction `ratio` of chunk tokens whose KV
+              deviates most, restoring the cross-chunk attention standalone KV lacks
+    question  computed in full, attending to everything before it: the first token's logits
+
+Only the prefix goes back to the store under prefix keys. Blended chunk KV is not what a full
+prefill computes (unless ratio = 1), so storing the whole prompt as a prefix would hand
+approximate KV to exact prefix reuse.
+
+Where cached K cannot be re-rotated exactly (RoPE whose rotation depends on more than the
+position: dynamic NTK, YaRN, LongRoPE) the whole prompt is prefilled instead, with a
+`BackendWarning`: slower, never wrong. Backend failures degrade the same way as prefix reuse:
+missed chunks are computed here, nothing fails.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from decode.attention import AttentionContext
+from decode.model import LlamaModel
+from decode.paged_cache import BlockTable, PagedKVCache
+from decode.recompute import selective_recompute
+from decode.reuse import BackendWarning, PrefixReuse
+from kvstore.errors import Unsupported
+from kvstore.rerotate import check_rerotatable, rerotate_into
+
+DEFAULT_BLEND_RATIO = 0.15  # the paper's operating point: quality of a full prefill at ~15% recompute
+
+
+@dataclass(frozen=True)
+class BlendOutcome:
+    logits: torch.Tensor  # (V,) float32 of the last prompt token
+    reused_tokens: int  # prefix tokens fetched + tokens of chunks the store held
+    chunk_hits: list[bool] = field(default_factory=list)
+    recomputed_tokens: int = 0  # chunk tokens recomputed through the layers after the first
+    fetch_s: float = 0.0  # time spent talking to the store and placing its KV
+    error: str | None = None  # why the store (or blending) could not be used, if it could not
+
+
+def blended_prompt(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int]) -> list[int]:
+    return [*prefix, *(t for chunk in chunks for t in chunk), *question]
+
+
+def cache_tokens(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int],
+                 max_new_tokens: int) -> int:
+    """Cache slots a blended request needs: the sequence, plus room to compute the longest
+    missed chunk standalone beside it."""
+    return len(blended_prompt(prefix, chunks, question)) + max_new_tokens + max((len(c) for c in chunks), default=0)
+
+
+class ChunkReuse(PrefixReuse):
+    """PrefixReuse plus the chunk calls: blend, and store_chunk of the chunks computed here."""
+
+    def load_chunks(self, chunks: list[list[int]], start_pos: int) -> tuple[list[bool], torch.Tensor | None, str | None]:
+        """(hits, KV (L, 2, T, H, D) of all chunks at their positions or None, error)."""
+        error = self.register()
+        if error:
+            return [False] * len(chunks), None, error
+        try:
+            found = self._call_registered(lambda: self.backend.blend(self.model.name, chunks, start_pos=start_pos,
+                                                                     tenant=self.tenant))
+            kv = torch.as_tensor(found.kv)
+            expected = self.model.spec.kv_shape(sum(map(len, chunks)))
+            if len(found.hits) != len(chunks) or tuple(kv.shape) != expected or kv.dtype != self.model.dtype:
+                raise ValueError(f"blend answered {len(found.hits)} hits and kv {tuple(kv.shape)} {kv.dtype} for "
+                                 f"{len(chunks)} chunks, expected kv {expected} {self.model.dtype}")
+        except Exception as exc:
+            return [False] * len(chunks), None, self._degrade("blend", exc)
+        return [bool(h) for h in found.hits], kv, None
+
+    def store_chunk(self, tokens: list[int], kv: torch.Tensor) -> str | None:
+        try:
+            self._call_registered(lambda: self.backend.store_chunk(self.model.name, tokens, kv, tenant=self.tenant))
+        except Exception as exc:
+            return self._degrade("store_chunk", exc)
+        return None
+
+
+def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]], question: list[int],
+                  cache: PagedKVCache, table: BlockTable, reuse: ChunkReuse | None, *, ratio: float,
+                  store: bool = True) -> BlendOutcome:
+    """Prefill [prefix][chunks][question] into `table` (reserved for the whole sequence) and
+    return the last token's logits. `reuse` None: no store, every chunk computed standalone."""
+    if not question:
+        raise ValueError("prompt_tokens: the question after the chunks must not be empty (its last token gives the logits)")
+    started = time.perf_counter()
+    try:
+        check_rerotatable(model.spec)
+    except Unsupported as exc:
+        warnings.warn(f"{exc.message}; prefilling the whole prompt instead", BackendWarning, stacklevel=3)
+        return _full_prefill(model, blended_prompt(prefix, chunks, question), cache, table, exc.message)
+    errors: list[str] = []
+    reused = 0
+    if prefix:
+        hit = reuse.load_prefix(prefix, cache, table) if reuse else None
+        reused = hit.reused_tokens if hit else 0
+        if hit and hit.error:
+            errors.append(hit.error)
+        _run(model, prefix[reused:], reused, cache, table, logits=False)
+    start = len(prefix)
+    hits, kv, error = reuse.load_chunks(chunks, start) if reuse else ([False] * len(chunks), None, None)
+    if error:
+        errors.append(error)
+    offset = start
+    for chunk, hit in zip(chunks, hits):
+        if hit:
+            cache.scatter(table, kv[:, :, offset - start:offset - start + len(chunk)], start=offset)  # (L, 2, n, H, D)
+            reused += len(chunk)
+        else:
+            cache.scatter(table, _standalone(model, chunk, cache, reuse if store else None, errors, offset), start=offset)
+        offset += len(chunk)
+    fetch_s = time.perf_counter() - started
+    chunk_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)  # (C,)
+    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio)
+    logits = _run(model, question, offset, cache, table, logits=True)
+    assert logits is not None
+    return BlendOutcome(logits, reused, hits, recomputed, fetch_s, "; ".join(errors) or None)
+
+
+def _run(model: LlamaModel, tokens: Sequence[int], start: int, cache: PagedKVCache, table: BlockTable, *,
+         logits: bool) -> torch.Tensor | None:
+    """Prefill `tokens` at positions start.. (causal over everything before them)."""
+    if not tokens:
+        return None
+    end = start + len(tokens)
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=model.device)  # (T,)
+    out = model(ids, torch.arange(start, end, device=model.device), cache,
+                AttentionContext.for_span(cache, table, start, end), logits="last" if logits else "none")
+    table.num_tokens = max(table.num_tokens, end)
+    return out
+
+
+def _standalone(model: LlamaModel, chunk: list[int], cache: PagedKVCache, reuse: ChunkReuse | None,
+                errors: list[str], position: int) -> torch.Tensor:
+    """A missed chunk's KV computed alone at positions 0..n-1 (what the store keeps), stored for
+    the next request, and returned moved to `position`: (L, 2, n, H, D)."""
+    scratch = cache.new_table()
+    cache.reserve(scratch, len(chunk))
+    try:
+        _run(model, chunk, 0, cache, scratch, logits=False)
+        kv = cache.gather(scratch, 0, len(chunk))  # (L, 2, n, H, D) at positions 0..n-1
+    finally:
+        cache.release(scratch)
+    if reuse is not None and (error := reuse.store_chunk(chunk, kv)):
+        errors.append(error)
+    moved = torch.empty_like(kv)  # (L, 2, n, H, D)
+    rerotate_into(moved, kv, model.spec, position)
+    return moved
+
+
+def _full_prefill(model: LlamaModel, prompt: list[int], cache: PagedKVCache, table: BlockTable,
+                  error: str) -> BlendOutcome:
+    logits = _run(model, prompt, 0, cache, table, logits=True)
+    assert logits is not None
+    return BlendOutcome(logits, 0, error=error)

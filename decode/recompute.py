@@ -1,0 +1,88 @@
+"""CacheBlend's selective recompute: fix the reused KV of chunk tokens where it matters most.
+
+The paged cache holds, for sequence positions [start, end), the chunks' standalone KV moved to
+their new positions; what it lacks is cross-chunk attention (each chunk was computed alone).
+Following CacheBlend (Yao et al., EuroSys 2025, §4.2-4.3), layer by layer:
+
+    layer 0   every chunk token is computed (its input, the embedding, is exact), so its output,
+              the input of layer 1, is exact too
+    layer l   the candidate tokens' fresh K/V replace the cached ones; of the candidates, only
+              the `keep[l]` whose K/V deviated most from the cached K/V go on through this
+              layer's attention and MLP to layer l + 1 (gradual filtering: 2r at layer 1, r after)
+
+Attention of a recomputed token reads the cache as it is (fresh K/V where computed, reused
+elsewhere) under a causal mask by true positions. With `ratio = 1` every token is recomputed
+at every layer: exactly a full prefill. With `ratio = 0` nothing runs at all (full KV reuse).
+
+This module knows nothing of the store, of chunks' boundaries or of the question tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from decode.attention import AttentionContext, paged_attention
+from decode.model import LlamaModel
+from decode.paged_cache import BlockTable, PagedKVCache
+
+FIRST_FILTER_FACTOR = 2.0  # layer 1 keeps this many times `ratio`; later layers keep `ratio`
+
+
+def recompute_sizes(num_tokens: int, ratio: float, num_layers: int) -> list[int]:
+    """Tokens that go through attention + MLP at each layer (the rest only get fresh K/V there)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"blend_ratio: must be in [0, 1], got {ratio!r}")
+    if ratio == 0.0:
+        return [0] * num_layers
+    first = min(num_tokens, math.ceil(num_tokens * min(1.0, FIRST_FILTER_FACTOR * ratio)))
+    rest = min(first, math.ceil(num_tokens * ratio))
+    return [num_tokens] + [first] + [rest] * (num_layers - 2) if num_layers > 1 else [num_tokens]
+
+
+@torch.inference_mode()
+def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: PagedKVCache, table: BlockTable,
+                        start: int, ratio: float) -> int:
+    """Recompute the KV of tokens `input_ids` (T,) at positions start..start+T-1 (already in the
+    cache, with every position before `start` exact). Returns how many tokens went through the
+    last layer that ran attention (the recompute ratio's numerator)."""
+    T = input_ids.shape[0]
+    sizes = recompute_sizes(T, ratio, len(model.layers))
+    if T == 0 or sizes[0] == 0:
+        return 0
+    end = start + T
+    device = model.device
+    positions = torch.arange(start, end, device=device)  # (T,) true positions of the chunk tokens
+    slots = cache.slots(table, start, end)  # (T,)
+    read_span = cache.slot_range(table, 0, end)
+    read_slots = cache.slots(table, 0, end)  # (S,) everything before `end`, in position order
+    key_pos = torch.arange(0, end, device=device)  # (S,)
+    cos_all, sin_all = model.rotary.cos_sin(positions, model.dtype)  # (T, 1, D) each
+    chosen = torch.arange(T, device=device)  # (C,) indices (into the T tokens) of the candidates
+    x = model.embed_tokens(input_ids)  # (C, hidden)
+    ran = 0
+    for index, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(x), cos_all[chosen], sin_all[chosen])  # (C, Hq|H, D)
+        k_pool, v_pool = cache.layer(index)
+        keep, last = sizes[index], index == len(model.layers) - 1
+        if keep < chosen.shape[0] and not last:
+            # Deviation before overwriting: the tokens whose reused K/V were furthest off.
+            old_k, old_v = k_pool.index_select(0, slots[chosen]), v_pool.index_select(0, slots[chosen])  # (C, H, D)
+            deviation = (k.float() - old_k.float()).square().sum((1, 2)) + (v.float() - old_v.float()).square().sum((1, 2))  # (C,)
+            top = deviation.topk(keep).indices.sort().values  # (keep,) back in position order
+        else:
+            top = None
+        k_pool.index_copy_(0, slots[chosen], k)  # every candidate's fresh K/V is kept, selected or not
+        v_pool.index_copy_(0, slots[chosen], v)
+        if last:
+            break  # the last layer's output feeds nothing but the LM head: K/V is all we need
+        if top is not None:
+            chosen, x, q, k, v = chosen[top], x[top], q[top], k[top], v[top]
+        mask = key_pos[None, :] <= positions[chosen][:, None]  # (C, S): causal by true positions
+        ctx = AttentionContext(write_slots=slots[chosen], read_slots=read_slots, read_span=read_span, mask=mask)
+        out = paged_attention(q, k, v, k_pool, v_pool, ctx, attn.scale)  # (C, Hq, D)
+        x = x + attn.o_proj(out.reshape(x.shape[0], -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        ran = chosen.shape[0]
+    return ran
