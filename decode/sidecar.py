@@ -37,9 +37,8 @@ class InProcessSidecar:
         async def start() -> int:
             self._runner = web.AppRunner(create_app(self._store, config), access_log=None)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, config.host, 0)
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]  # port 0: ask the socket which it got
+            await web.TCPSite(self._runner, config.host, 0).start()
+            return self._runner.addresses[0][1]  # port 0: the runner knows which one was bound
 
         self._thread.start()
         port = asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=30)
