@@ -26,12 +26,43 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
+class _Counted(asyncio.Protocol):
+    """Delegates to aiohttp's handler; tells the site when the connection is gone.
+
+    Counted here, not from `web.Server.connections`: a burst of connections is accepted (and
+    the factory called for each) before any handler's `connection_made` has run."""
+
+    def __init__(self, inner: asyncio.Protocol, site: "ConnectionLimitedSite"):
+        self._inner = inner
+        self._site = site
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._site.live -= 1
+        self._inner.connection_lost(exc)
+
+
 class ConnectionLimitedSite(web.SockSite):
     """`web.SockSite` whose protocol factory refuses connections past `max_connections`."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, *, max_connections: int, backlog: int = 1024):
         super().__init__(runner, sock, backlog=backlog)
         self._max_connections = max_connections
+        self.live = 0
         self.refused = 0
 
     async def start(self) -> None:
@@ -43,8 +74,9 @@ class ConnectionLimitedSite(web.SockSite):
 
     def _factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
         def make() -> asyncio.BaseProtocol:
-            if len(server.connections) >= self._max_connections:
+            if self.live >= self._max_connections:
                 self.refused += 1
                 return _Refuse()
-            return server()
+            self.live += 1
+            return _Counted(server(), self)
         return make
