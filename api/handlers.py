@@ -15,6 +15,11 @@ from api.metrics import METRICS
 from api.openapi import openapi_document
 
 
+async def _body(request: web.Request) -> dict:
+    config = request.app[CONFIG]
+    return await wire.read_request(request, config.max_body_bytes, config.body_timeout_s)
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -35,7 +40,7 @@ async def stats(request: web.Request) -> web.Response:
 
 async def put_model(request: web.Request) -> web.Response:
     model = wire.model_name(request.match_info["model"], field="model (path)")
-    spec = wire.model_spec(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    spec = wire.model_spec(await _body(request))
     store, tenant = request.app[STORE], tenant_of(request)
     created = await run_blocking(request, store.register_model_created, model, spec, tenant=tenant)
     return wire.respond(request, spec.to_dict(), status=201 if created else 200)
@@ -54,7 +59,7 @@ async def delete_model(request: web.Request) -> web.Response:
 
 
 async def lookup(request: web.Request) -> web.Response:
-    req = wire.lookup_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    req = wire.lookup_request(await _body(request))
     # On the loop: a lookup only walks the in-memory index (no tier I/O, no copies), and a thread
     # hop would cost more than the lookup itself.
     result = request.app[STORE].lookup(req.model, req.tokens, tenant=tenant_of(request))
@@ -62,7 +67,7 @@ async def lookup(request: web.Request) -> web.Response:
 
 
 async def store(request: web.Request) -> web.Response:
-    req = wire.store_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    req = wire.store_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
     def put() -> dict:
@@ -74,7 +79,7 @@ async def store(request: web.Request) -> web.Response:
 
 
 async def fetch(request: web.Request) -> web.StreamResponse:
-    req = wire.fetch_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    req = wire.fetch_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
     def get() -> tuple[dict, object]:
@@ -87,7 +92,7 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 
 
 async def store_chunk(request: web.Request) -> web.Response:
-    req = wire.chunk_store_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    req = wire.chunk_store_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
     def put() -> dict:
@@ -99,7 +104,7 @@ async def store_chunk(request: web.Request) -> web.Response:
 
 
 async def blend(request: web.Request) -> web.StreamResponse:
-    req = wire.blend_request(await wire.read_request(request, request.app[CONFIG].max_body_bytes))
+    req = wire.blend_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
     def get() -> tuple[dict, object]:

@@ -12,6 +12,7 @@ The fetch response writes the msgpack prefix and then the tensor's own bytes.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -60,7 +61,7 @@ class BlendRequest:
 
 # ---- reading ---------------------------------------------------------------------------------
 
-async def read_request(request: web.Request, max_body_bytes: int) -> dict[str, Any]:
+async def read_request(request: web.Request, max_body_bytes: int, body_timeout_s: float | None = None) -> dict[str, Any]:
     """Read the body once and decode its top-level map (bin fields stay views of the body)."""
     ctype = request.content_type if request.headers.get("Content-Type") else ""
     if ctype not in MSGPACK_TYPES and ctype not in DEFAULT_TYPES and ctype != JSON:
@@ -68,8 +69,9 @@ async def read_request(request: web.Request, max_body_bytes: int) -> dict[str, A
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise PayloadTooLarge(f"body: {length} bytes exceeds the limit of {max_body_bytes} bytes", field="body")
-    body = await (read_exact(request.content, length) if length is not None
-                  else read_limited(request.content, max_body_bytes))
+    deadline = None if body_timeout_s is None else asyncio.get_running_loop().time() + body_timeout_s
+    body = await (read_exact(request.content, length, deadline) if length is not None
+                  else read_limited(request.content, max_body_bytes, deadline))
     return decode_json(body) if ctype == JSON else decode_msgpack(body)
 
 
