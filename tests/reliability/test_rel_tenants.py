@@ -1,5 +1,5 @@
 """Tenants through a real sidecar with an auth file: identical tokens never cross tenants
-(lookup 0, fetch 0), B's DELETE of the same model name leaves A's pages, unknown tokens get 401."""
+(lookup 0, fetch 0, blend misses), B's DELETE of the same model name leaves A's pages, unknown tokens get 401."""
 from __future__ import annotations
 
 import json
@@ -29,6 +29,9 @@ def test_tenants_never_see_each_other(tmp_path):
             assert a.store("m", tokens, expected_kv(SPEC, tokens)).stored_tokens == 80
             assert b.lookup("m", tokens).matched_tokens == 0
             assert b.fetch("m", tokens).matched_tokens == 0
+            chunk = list(range(500, 532))
+            a.store_chunk("m", chunk, expected_kv(SPEC, chunk))
+            assert a.blend("m", [chunk]).hits == [True] and b.blend("m", [chunk]).hits == [False]
             assert b.drop_model("m") == 0
             assert torch.equal(a.fetch("m", tokens).kv, expected_kv(SPEC, tokens))
             with pytest.raises(Unauthorized):
