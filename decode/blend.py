@@ -55,10 +55,12 @@ def blended_prompt(prefix: Sequence[int], chunks: Sequence[Sequence[int]], quest
 
 
 def cache_tokens(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int],
-                 max_new_tokens: int) -> int:
-    """Cache slots a blended request needs: the sequence, plus room to compute the longest
-    missed chunk standalone beside it."""
-    return len(blended_prompt(prefix, chunks, question)) + max_new_tokens + max((len(c) for c in chunks), default=0)
+                 max_new_tokens: int, page_size: int) -> int:
+    """Cache slots a blended request needs: the sequence's pages, plus pages to compute the
+    longest missed chunk standalone beside it."""
+    pages = lambda n: -(-n // page_size)  # noqa: E731
+    sequence = len(blended_prompt(prefix, chunks, question)) + max_new_tokens
+    return page_size * (pages(sequence) + pages(max((len(c) for c in chunks), default=0)))
 
 
 class ChunkReuse(PrefixReuse):
@@ -124,7 +126,8 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
         offset += len(chunk)
     fetch_s = time.perf_counter() - started
     chunk_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)  # (C,)
-    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio)
+    ends = [start + sum(map(len, chunks[:i + 1])) for i in range(len(chunks))]
+    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio, ends)
     logits = _run(model, question, offset, cache, table, logits=True)
     assert logits is not None
     return BlendOutcome(logits, reused, hits, recomputed, fetch_s, "; ".join(errors) or None)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from decode.blend import DEFAULT_BLEND_RATIO
 from decode.engine import GenerateResult, generate
 from decode.loader import load_checkpoint, tiny_model
 from decode.model import LlamaModel
@@ -28,6 +29,12 @@ def register(subparsers: Any) -> None:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-tokens", help="comma-separated token ids, e.g. 1,2,3")
     prompt.add_argument("--prompt-file", type=Path, help="file of token ids separated by commas or whitespace")
+    gen.add_argument("--chunk-file", type=Path, action="append", default=None,
+                     help="CacheBlend: a file of one chunk's token ids (repeat, in prompt order); the prompt "
+                          "is then [--prefix-tokens][chunks][--prompt-tokens/--prompt-file]")
+    gen.add_argument("--prefix-tokens", default="", help="with --chunk-file: comma-separated ids before the chunks")
+    gen.add_argument("--blend-ratio", type=float, default=DEFAULT_BLEND_RATIO,
+                     help=f"with --chunk-file: fraction of chunk tokens recomputed (default {DEFAULT_BLEND_RATIO})")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -77,6 +84,9 @@ def _client(url: str, token: str | None) -> Any:
 def run_generate(args: argparse.Namespace) -> int:
     try:
         prompt = _parse_tokens(args.prompt_tokens if args.prompt_tokens is not None else args.prompt_file.read_text())
+        chunks = None if args.chunk_file is None else [_parse_tokens(f.read_text()) for f in args.chunk_file]
+        blend = {} if chunks is None else {"chunks": chunks, "prefix": _parse_tokens(args.prefix_tokens),
+                                           "blend_ratio": args.blend_ratio}
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         model = _load_model(args)
     except (ValueError, OSError) as exc:
@@ -93,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
             # One request per process: a CPU tier would only be allocated and flushed, so go to disk.
             backend = stack.enter_context(KVStore(StoreConfig(data_dir=args.data_dir, cpu_bytes=0)))
         try:
-            result = generate(model, prompt, args.max_new_tokens, backend=backend, sampling=sampling)
+            result = generate(model, prompt, args.max_new_tokens, backend=backend, sampling=sampling, **blend)
         except ValueError as exc:
             print(f"kvstore generate: {exc}", file=sys.stderr)
             return 2

@@ -48,7 +48,9 @@ class GenerateResult:
 
     def summary(self) -> str:
         tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
-        return (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, computed {self.computed_tokens}, "
+        blend = "" if self.chunk_hits is None else (
+            f"chunks hit {sum(self.chunk_hits)}/{len(self.chunk_hits)}, recomputed {self.recomputed_tokens} chunk tokens; ")
+        return blend + (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, computed {self.computed_tokens}, "
                 f"TTFT {self.ttft_s * 1e3:.1f} ms (fetch {self.fetch_s * 1e3:.1f} ms), TPOT {tpot}, "
                 f"store {self.store_s * 1e3:.1f} ms, generated {len(self.tokens)}")
 
@@ -85,7 +87,7 @@ def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max
     start_time = time.perf_counter()
     if chunks is not None:
         parts = _check_blend(model, prefix, chunks, prompt_tokens, blend_ratio)
-        prompt, slots = blended_prompt(*parts), cache_tokens(*parts, max_new_tokens)
+        prompt, slots = blended_prompt(*parts), cache_tokens(*parts, max_new_tokens, model.spec.page_size)
     else:
         prompt = _check_prompt(model, prompt_tokens)
         parts, slots = None, len(prompt) + max_new_tokens

@@ -19,6 +19,7 @@ This module knows nothing of the store, of chunks' boundaries or of the question
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -42,10 +43,12 @@ def recompute_sizes(num_tokens: int, ratio: float, num_layers: int) -> list[int]
 
 @torch.inference_mode()
 def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: PagedKVCache, table: BlockTable,
-                        start: int, ratio: float) -> int:
+                        start: int, ratio: float, segment_ends: Sequence[int] = ()) -> int:
     """Recompute the KV of tokens `input_ids` (T,) at positions start..start+T-1 (already in the
-    cache, with every position before `start` exact). Returns how many tokens went through the
-    last layer that ran attention (the recompute ratio's numerator)."""
+    cache, with every position before `start` exact). `segment_ends` (the chunks' end positions)
+    let a recomputed token's attention read only up to its segment's end instead of all T: a
+    causal mask cannot skip work, a shorter key range does. Returns how many tokens went through
+    the last layer that ran attention (the recompute ratio's numerator)."""
     T = input_ids.shape[0]
     sizes = recompute_sizes(T, ratio, len(model.layers))
     if T == 0 or sizes[0] == 0:
@@ -54,9 +57,8 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
     device = model.device
     positions = torch.arange(start, end, device=device)  # (T,) true positions of the chunk tokens
     slots = cache.slots(table, start, end)  # (T,)
-    read_span = cache.slot_range(table, 0, end)
-    read_slots = cache.slots(table, 0, end)  # (S,) everything before `end`, in position order
-    key_pos = torch.arange(0, end, device=device)  # (S,)
+    ends = sorted({min(max(e, start + 1), end) for e in segment_ends} | {end})
+    reads = [(e, cache.slot_range(table, 0, e), cache.slots(table, 0, e)) for e in ends]  # keys 0..e-1 per segment
     cos_all, sin_all = model.rotary.cos_sin(positions, model.dtype)  # (T, 1, D) each
     chosen = torch.arange(T, device=device)  # (C,) indices (into the T tokens) of the candidates
     x = model.embed_tokens(input_ids)  # (C, hidden)
@@ -79,10 +81,27 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
             break  # the last layer's output feeds nothing but the LM head: K/V is all we need
         if top is not None:
             chosen, x, q, k, v = chosen[top], x[top], q[top], k[top], v[top]
-        mask = key_pos[None, :] <= positions[chosen][:, None]  # (C, S): causal by true positions
-        ctx = AttentionContext(write_slots=slots[chosen], read_slots=read_slots, read_span=read_span, mask=mask)
-        out = paged_attention(q, k, v, k_pool, v_pool, ctx, attn.scale)  # (C, Hq, D)
+        out = _attend(q, k, v, positions[chosen], slots[chosen], reads, k_pool, v_pool, attn.scale)  # (C, Hq, D)
         x = x + attn.o_proj(out.reshape(x.shape[0], -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         ran = chosen.shape[0]
     return ran
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor, write_slots: torch.Tensor,
+            reads: list[tuple[int, slice | None, torch.Tensor]], k_pool: torch.Tensor, v_pool: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Attention of the recomputed tokens (q (C, Hq, D), positions ascending), each group of them
+    reading the keys of positions 0..e-1 for the first segment end e past them, causal by true
+    position. Their own K/V are already in the pools; paged_attention writes them again."""
+    out = torch.empty_like(q)  # (C, Hq, D)
+    lo = 0
+    for e, span, read_slots in reads:
+        hi = int(torch.searchsorted(query_pos, e))  # queries at positions < e
+        if hi > lo:
+            key_pos = torch.arange(0, e, device=q.device)  # (S,)
+            mask = key_pos[None, :] <= query_pos[lo:hi, None]  # (c, S): causal by true positions
+            ctx = AttentionContext(write_slots=write_slots[lo:hi], read_slots=read_slots, read_span=span, mask=mask)
+            out[lo:hi] = paged_attention(q[lo:hi], k[lo:hi], v[lo:hi], k_pool, v_pool, ctx, scale)
+        lo = hi
+    return out

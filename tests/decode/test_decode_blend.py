@@ -1,0 +1,149 @@
+"""CacheBlend in the decode loop: r = 1 is a full prefill, r = 0 is the stored chunks' KV laid end
+to end, chunks stored by one request are reused by another at other positions (in-process and
+through the sidecar), and what cannot be exact falls back to a full prefill."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode import BackendWarning, generate, tiny_model
+from decode.blend import ChunkReuse, blend_prefill
+from decode.cli import register
+from decode.recompute import recompute_sizes
+from decode.sidecar import InProcessSidecar
+from kvstore import KVStore, StoreConfig
+
+ATOL = 1e-4  # float32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def store():
+    with KVStore(StoreConfig(data_dir=None, cpu_bytes=64 << 20, disk_bytes=0)) as s:
+        yield s
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def full_logits(model, prefix, chunks, question, max_new_tokens: int = 3) -> torch.Tensor:
+    prompt = prefix + [t for c in chunks for t in c] + question
+    return generate(model, prompt, max_new_tokens, return_logits=True).logits  # (N, V)
+
+
+def test_ratio_one_is_a_full_prefill_on_miss_and_on_hit(model, store):
+    prefix, chunks, question = ids(0, 5), [ids(1, 20), ids(2, 37), ids(3, 9)], ids(4, 4)
+    want = full_logits(model, prefix, chunks, question)
+    for hits in ([False] * 3, [True] * 3):
+        got = generate(model, question, 3, backend=store, prefix=prefix, chunks=chunks, blend_ratio=1.0,
+                       return_logits=True)
+        assert got.chunk_hits == hits and got.recomputed_tokens == 66
+        assert (got.logits - want).abs().max() <= ATOL
+
+
+def test_ratio_zero_is_the_stored_chunks_concatenated(model, store):
+    prefix, chunks, question = ids(5, 7), [ids(6, 16), ids(7, 11)], ids(8, 3)
+    generate(model, question, 1, backend=store, prefix=prefix, chunks=chunks, blend_ratio=0.0)  # stores the chunks
+    cache = model.new_cache(64)
+    table = cache.new_table()
+    cache.reserve(table, 7 + 27 + 3)
+    reuse = ChunkReuse(model, store)
+    outcome = blend_prefill(model, prefix, chunks, question, cache, table, reuse, ratio=0.0)
+    assert outcome.chunk_hits == [True, True] and outcome.recomputed_tokens == 0
+    stored = store.blend(model.name, chunks, start_pos=7).kv  # (L, 2, 27, H, D)
+    assert torch.equal(cache.gather(table, 7, 34), stored)
+    # ... and differs from a full prefill: the chunks never saw each other or the prefix.
+    assert (outcome.logits - full_logits(model, prefix, chunks, question, 1)[0]).abs().max() > 1e-3
+
+
+def test_a_stored_chunk_is_reused_at_another_position_after_another_prefix(model, store):
+    shared = ids(10, 24)
+    first = generate(model, ids(11, 4), 2, backend=store, prefix=ids(12, 3), chunks=[ids(13, 10), shared])
+    assert first.chunk_hits == [False, False]
+    prefix, chunks, question = ids(14, 19), [shared, ids(15, 8)], ids(16, 5)
+    second = generate(model, question, 3, backend=store, prefix=prefix, chunks=chunks, blend_ratio=1.0,
+                      return_logits=True)
+    assert second.chunk_hits == [True, False] and second.reused_tokens >= 24
+    assert (second.logits - full_logits(model, prefix, chunks, question)).abs().max() <= ATOL
+
+
+def test_through_the_sidecar_client(model):
+    from api.client import KVStoreClient
+
+    prefix, chunks, question = ids(20, 6), [ids(21, 12), ids(22, 17)], ids(23, 3)
+    want = full_logits(model, prefix, chunks, question)
+    with InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=32 << 20, disk_bytes=0)) as url, KVStoreClient(url) as client:
+        generate(model, question, 1, backend=client, prefix=ids(24, 2), chunks=chunks[::-1], blend_ratio=0.0)
+        got = generate(model, question, 3, backend=client, prefix=prefix, chunks=chunks, blend_ratio=1.0,
+                       return_logits=True)
+    assert got.chunk_hits == [True, True] and got.backend_error is None
+    assert (got.logits - want).abs().max() <= ATOL
+
+
+def test_rope_that_cannot_be_rerotated_falls_back_to_a_full_prefill(store):
+    model = tiny_model()
+    prefix, chunks, question = ids(30, 3), [ids(31, 9), ids(32, 5)], ids(33, 2)
+    want = full_logits(model, prefix, chunks, question)
+    model.spec = dataclasses.replace(model.spec, rope_scaling=(("factor", 2.0), ("rope_type", "dynamic")))
+    with pytest.warns(BackendWarning, match="dynamic"):
+        got = generate(model, question, 3, backend=store, prefix=prefix, chunks=chunks, blend_ratio=0.0,
+                       return_logits=True)
+    assert "dynamic" in got.backend_error and (got.logits - want).abs().max() <= ATOL
+
+
+def test_a_failing_backend_degrades_to_computing_the_chunks(model, store):
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def blend(self, *args, **kwargs):
+            raise ConnectionError("down")
+
+    prefix, chunks, question = ids(40, 4), [ids(41, 8), ids(42, 8)], ids(43, 2)
+    with pytest.warns(BackendWarning, match="blend"):
+        got = generate(model, question, 2, backend=Broken(), prefix=prefix, chunks=chunks, blend_ratio=1.0,
+                       return_logits=True)
+    assert got.chunk_hits == [False, False] and "down" in got.backend_error
+    assert (got.logits - full_logits(model, prefix, chunks, question, 2)).abs().max() <= ATOL
+
+
+def test_recompute_schedule_filters_gradually():
+    assert recompute_sizes(100, 0.15, 4) == [100, 30, 15, 15]
+    assert recompute_sizes(100, 1.0, 3) == [100, 100, 100]
+    assert recompute_sizes(100, 0.0, 3) == [0, 0, 0]
+    with pytest.raises(ValueError, match="blend_ratio"):
+        recompute_sizes(10, 1.5, 2)
+
+
+def test_bad_blend_arguments_are_value_errors(model):
+    with pytest.raises(ValueError, match="blend_ratio"):
+        generate(model, [1], 1, chunks=[[2]], blend_ratio=2)
+    with pytest.raises(ValueError, match="chunks"):
+        generate(model, [1], 1, chunks=[])
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        generate(model, [1], 1, chunks=[[]])
+
+
+def test_cli_chunk_files_store_then_hit(tmp_path: Path, capsys: pytest.CaptureFixture):
+    files = []
+    for i, chunk in enumerate([ids(50, 12), ids(51, 7)]):
+        files += ["--chunk-file", str(tmp_path / f"c{i}.txt")]
+        (tmp_path / f"c{i}.txt").write_text(" ".join(map(str, chunk)))
+    argv = ["generate", "--model", "tiny", "--prompt-tokens", "1,2,3", "--prefix-tokens", "7,8", *files,
+            "--max-new-tokens", "2", "--data-dir", str(tmp_path / "kv"), "--blend-ratio", "1.0"]
+    parser = argparse.ArgumentParser(prog="kvstore")
+    register(parser.add_subparsers(dest="command", required=True))
+    for hits in ("chunks hit 0/2", "chunks hit 2/2"):
+        args = parser.parse_args(argv)
+        assert args.func(args) == 0
+        out = capsys.readouterr()
+        assert hits in out.err and len(out.out.strip().split(",")) == 2
