@@ -155,7 +155,7 @@ class StoreConfig:
     disk_codec: str = "none"
     disk_compression: str = "none"
     zstd_level: int = 1
-    policy: str = "lru-prefix"
+    policy: str = "lru-tail"
     durability: str = "write-back"
     promote_on_hit: bool = True
     redis_url: str | None = None

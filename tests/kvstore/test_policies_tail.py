@@ -1,0 +1,55 @@
+"""`lru-tail`: never-extended pages (the ends of stored sequences) are evicted before the rest,
+leaf-first, and what a user sees is more prefix hits where conversations continue."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bench.replay import compile_trace, replay
+from bench.traces import PRESETS, Request, generate
+from kvstore.index import Node
+from kvstore.policies import POLICIES, LRUTailPolicy
+
+
+def _trace(*prompts: list[int]):
+    return compile_trace("t", [Request(i, 512 * len(ids), 1, tuple(ids)) for i, ids in enumerate(prompts)])
+
+
+def test_a_continued_conversation_outlives_request_ends() -> None:
+    # 2 is extended by the second turn (4 hangs under it); 3, 4, 5, 6 are ends of prompts.
+    # When 2 becomes a leaf, LRU drops it (oldest), lru-tail drops the newer dead end 5 instead,
+    # so the third turn [1, 2, 8] finds both of its leading blocks.
+    trace = _trace([1, 2, 3], [1, 2, 4], [5], [6], [7], [1, 2, 8])
+    tiers = [("cpu", 4)]
+    assert replay(trace, tiers, "lru-tail").hit_blocks == replay(trace, tiers, "lru-prefix").hit_blocks + 1
+
+
+class _LeafFirstCheck(LRUTailPolicy):
+    """Asserts at every eviction that the victim has no descendant in the tier."""
+
+    def victim(self) -> Node | None:
+        node = super().victim()
+        assert node is None or not node.tier_kids.get(self.tier, 0), node
+        assert node is None or node in self._live
+        return node
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str) -> None:
+    trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=600, seed=11)))
+    for fraction in (0.02, 0.1):
+        tiers = [("cpu", max(round(fraction * trace.unique_blocks), 200))]
+        tail = replay(trace, tiers, _LeafFirstCheck).hit_ratio
+        assert tail == replay(trace, tiers, "lru-tail").hit_ratio
+        assert tail >= replay(trace, tiers, "lru").hit_ratio - 0.002, (preset, fraction)
+
+
+def test_multi_tier_replay_keeps_every_tier_leaf_first() -> None:
+    trace = compile_trace("chat", generate(replace(PRESETS["chat"], num_requests=400, seed=5)))
+    result = replay(trace, [("gpu", 150), ("cpu", 600)], lambda tier: _LeafFirstCheck(tier))
+    assert result.tier_hits["gpu"] > 0 and result.tier_hits["cpu"] > 0
+
+
+def test_registered() -> None:
+    assert POLICIES["lru-tail"] is LRUTailPolicy
