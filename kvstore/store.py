@@ -455,11 +455,14 @@ class KVStore:
                 for node, tier, slot, s, e in writes:
                     if ok:
                         node.ready = True
-                        self._drop_shadowed_tails(node)
                         if self.config.durability == "write-through" and tier != "disk":
                             event = self._write_through(spec, node, kv[:, :, s - start:e - start])
                             if event is not None:
                                 durable.append(event)
+                        # After the write-through: the disk writer commits in queue order, so a
+                        # crash never finds the shorter tail deleted and its replacement unwritten
+                        # (an acknowledged sequence ending in that tail would lose its last tokens).
+                        self._drop_shadowed_tails(node)
                     else:
                         self._placement.remove_from(node, tier)
                 for node, record in shares:  # queued, never waited for: Redis must not slow stores
