@@ -2,6 +2,8 @@
 stops cleanly on SIGTERM and finds its pages on disk after a restart."""
 from __future__ import annotations
 
+from kvstore.config import StoreConfig
+
 import json
 import os
 import signal
@@ -34,7 +36,7 @@ def test_flags_env_and_defaults_map_onto_the_configs():
     assert store.cpu_bytes == 8 << 30  # flag beats env
     assert store.disk_bytes == 2 << 30  # env beats default
     assert store.promote_on_hit is False and store.redis_ttl_s is None
-    assert store.policy == "lru-prefix"  # default
+    assert store.policy == StoreConfig().policy  # default
     assert (server.host, server.port, server.insecure) == ("127.0.0.2", 9000, True)
 
 
