@@ -2,8 +2,6 @@
 stops cleanly on SIGTERM and finds its pages on disk after a restart."""
 from __future__ import annotations
 
-from kvstore.config import StoreConfig
-
 import json
 import os
 import signal
@@ -18,6 +16,7 @@ from api_helpers import random_kv
 
 from api.client import KVStoreClient
 from api.config import ServerConfig
+from kvstore.config import StoreConfig
 from api.server import ServeError, check_bind
 from kvstore import ModelSpec
 from kvstore.cli import build_configs, build_parser, main
