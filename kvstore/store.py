@@ -31,6 +31,7 @@ from kvstore.copy import copy_into
 from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import DTYPE_BYTES, ModelSpec, StoreConfig
 from kvstore.errors import InsufficientStorage, InvalidModelSpec
+from kvstore.host_memory import empty_host
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import chunk_key, page_key
 from kvstore.placement import Placement
@@ -236,7 +237,8 @@ class KVStore:
                     slot = self._slot_tiers[tier].get(node.key) if tier in self._slot_tiers else None
                     reads.append((node, offset, used, tier, slot))
                 offset += used
-        out = torch.empty(spec.kv_shape(match.matched_tokens - start), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, T, H, D)
+        shape, dtype = spec.kv_shape(match.matched_tokens - start), TORCH_DTYPES[spec.dtype]
+        out = empty_host(shape, dtype) if dev.type == "cpu" else torch.empty(shape, dtype=dtype, device=dev)  # (L, 2, T, H, D)
         matched = match.matched_tokens
         promote: list[tuple[Node, torch.Tensor]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read

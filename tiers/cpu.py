@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstore.host_memory import empty_host
 from tiers.base import TierFull
 
 SLOT_ALIGN_BYTES = 64  # cache-line aligned slots: copies in and out run at full speed
@@ -34,7 +35,10 @@ class CPUTier:
             raise ValueError(f"cpu_bytes: must be > 0 for a CPU tier, got {capacity_bytes}")
         pin = _pin_memory_available() if pin_memory is None else pin_memory
         self.capacity_bytes = capacity_bytes
-        self.slab = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        # Pinned when CUDA is there (DMA copies); otherwise in transparent huge pages, which fault
+        # in and translate 512x cheaper than 4 KiB pages.
+        self.slab = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True) if pin \
+            else empty_host((capacity_bytes,), torch.uint8)
         # Touch every page now (one memset, single-threaded): a first write into fresh memory
         # page-faults, which made a 2 MiB store ~10x slower until the tier had filled once.
         # The tier's memory is resident from the start, as its capacity promises.
