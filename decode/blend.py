@@ -127,7 +127,8 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
     fetch_s = time.perf_counter() - started
     chunk_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)  # (C,)
     ends = [start + sum(map(len, chunks[:i + 1])) for i in range(len(chunks))]
-    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio, ends)
+    prefix_ids = torch.tensor(prefix, dtype=torch.long, device=model.device)  # (start,)
+    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio, ends, prefix_ids)
     logits = _run(model, question, offset, cache, table, logits=True)
     assert logits is not None
     return BlendOutcome(logits, reused, hits, recomputed, fetch_s, "; ".join(errors) or None)

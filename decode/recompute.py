@@ -28,6 +28,7 @@ from decode.model import LlamaModel
 from decode.paged_cache import BlockTable, PagedKVCache
 
 FIRST_FILTER_FACTOR = 2.0  # layer 1 keeps this many times `ratio`; later layers keep `ratio`
+SEGMENT_TOKENS = 1024  # recomputed queries attend in groups reading keys up to their group's end
 
 
 def recompute_sizes(num_tokens: int, ratio: float, num_layers: int) -> list[int]:
@@ -43,12 +44,13 @@ def recompute_sizes(num_tokens: int, ratio: float, num_layers: int) -> list[int]
 
 @torch.inference_mode()
 def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: PagedKVCache, table: BlockTable,
-                        start: int, ratio: float, segment_ends: Sequence[int] = ()) -> int:
+                        start: int, ratio: float, segment_ends: Sequence[int] = (),
+                        prefix_ids: torch.Tensor | None = None) -> int:
     """Recompute the KV of tokens `input_ids` (T,) at positions start..start+T-1 (already in the
-    cache, with every position before `start` exact). `segment_ends` (the chunks' end positions)
-    let a recomputed token's attention read only up to its segment's end instead of all T: a
-    causal mask cannot skip work, a shorter key range does. Returns how many tokens went through
-    the last layer that ran attention (the recompute ratio's numerator)."""
+    cache, with every position before `start` exact: the tokens `prefix_ids` (start,)).
+    `segment_ends` (the chunks' end positions) let a recomputed token's attention read only up
+    to its segment's end instead of all T: a causal mask cannot skip work, a shorter key range
+    does. Returns how many tokens went through the last layer that ran attention."""
     T = input_ids.shape[0]
     sizes = recompute_sizes(T, ratio, len(model.layers))
     if T == 0 or sizes[0] == 0:
@@ -57,9 +59,16 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
     device = model.device
     positions = torch.arange(start, end, device=device)  # (T,) true positions of the chunk tokens
     slots = cache.slots(table, start, end)  # (T,)
-    ends = sorted({min(max(e, start + 1), end) for e in segment_ends} | {end})
+    # Segment ends: the chunks' ends and every SEGMENT_TOKENS, so that a query reads keys at most
+    # SEGMENT_TOKENS past its own position (close to causal work when every token is recomputed).
+    ends = sorted({min(max(e, start + 1), end) for e in segment_ends} | {end} | set(range(start + SEGMENT_TOKENS, end, SEGMENT_TOKENS)))
     reads = [(e, cache.slot_range(table, 0, e), cache.slots(table, 0, e)) for e in ends]  # keys 0..e-1 per segment
     cos_all, sin_all = model.rotary.cos_sin(positions, model.dtype)  # (T, 1, D) each
+    if prefix_ids is None:
+        prefix_ids = torch.empty(0, dtype=torch.long, device=device)
+    assert prefix_ids.shape == (start,), (prefix_ids.shape, start)
+    cos_p, sin_p = model.rotary.cos_sin(torch.arange(0, start, device=device), model.dtype)  # (start, 1, D) each
+    x_p = model.embed_tokens(prefix_ids)  # (start, hidden)
     chosen = torch.arange(T, device=device)  # (C,) indices (into the T tokens) of the candidates
     x = model.embed_tokens(input_ids)  # (C, hidden)
     ran = 0
@@ -81,7 +90,15 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
             break  # the last layer's output feeds nothing but the LM head: K/V is all we need
         if top is not None:
             chosen, x, q, k, v = chosen[top], x[top], q[top], k[top], v[top]
-        out = _attend(q, k, v, positions[chosen], slots[chosen], reads, k_pool, v_pool, attn.scale)  # (C, Hq, D)
+        if index == 0:
+            # Layer 0 computes every token: one causal pass from position 0, the flash kernel's fast
+            # path (queries starting past 0 need an explicit mask, ~1.5x the work). The prefix
+            # rides along as queries whose output is dropped; its K/V are rewritten unchanged.
+            q_p, k_p, v_p = attn.qkv(layer.input_layernorm(x_p), cos_p, sin_p)  # (start, Hq|H, D)
+            out = paged_attention(torch.cat([q_p, q]), torch.cat([k_p, k]), torch.cat([v_p, v]), k_pool, v_pool,
+                                  AttentionContext.for_span(cache, table, 0, end), attn.scale)[start:]  # (T, Hq, D)
+        else:
+            out = _attend(q, k, v, positions[chosen], slots[chosen], reads, k_pool, v_pool, attn.scale)  # (C, Hq, D)
         x = x + attn.o_proj(out.reshape(x.shape[0], -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         ran = chosen.shape[0]

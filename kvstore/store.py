@@ -30,7 +30,7 @@ from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
 from kvstore.copy import copy_into
 from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import DTYPE_BYTES, ModelSpec, StoreConfig
-from kvstore.errors import InsufficientStorage, InvalidModelSpec
+from kvstore.errors import InsufficientStorage, InvalidModelSpec, PayloadTooLarge
 from kvstore.host_memory import empty_host
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import chunk_key, page_key
@@ -49,6 +49,7 @@ log = logging.getLogger("kvstore.store")
 DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
 LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
 MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
+MIN_BLEND_LIMIT_BYTES = 1 << 30  # a blend answer may hold this much KV, or the memory tiers' capacity if more
 READ_BATCH_BYTES = 4 << 20  # a batching record tier (Redis) reads up to this much per round trip:
 # many small pages share one; big pages go a few at a time (redis-py parses huge pipelined
 # replies slower than single ones), and the tier reads the next batches ahead while this one
@@ -376,6 +377,12 @@ class KVStore:
         start_pos = check_start_pos(start_pos)
         dev = check_device(device)
         lengths = [len(tb) // TOKEN_BYTES for tb in tbs]
+        # Misses cost the store nothing but zeros in the answer: bound the answer, not only the hits.
+        limit = max(MIN_BLEND_LIMIT_BYTES, self.config.cpu_bytes + self.config.gpu_bytes)
+        if sum(lengths) * entry.spec.bytes_per_token > limit:
+            raise PayloadTooLarge(f"chunks: {sum(lengths)} tokens of KV are {sum(lengths) * entry.spec.bytes_per_token} "
+                                  f"bytes, over the blend limit of {limit} bytes (the memory tiers' capacity)",
+                                  field="chunks")
         kv = torch.empty(entry.spec.kv_shape(sum(lengths)), dtype=TORCH_DTYPES[entry.spec.dtype], device=dev)  # (L, 2, T, H, D)
         hits, positions, offset = [], [], 0
         for tb, n in zip(tbs, lengths):
@@ -430,7 +437,7 @@ class KVStore:
                     if not writes:
                         raise InsufficientStorage("store: no tier has room for a page (every page is pinned)")
                     break
-                node = self._index.insert(parent, key, ptoks)
+                node = self._index.insert(parent, key, ptoks, tail=e - s < P)
                 self._placement.pin(node)
                 self._placement.touch(node, self._clock)
                 self._placement.add(node, tier, nbytes)
@@ -592,7 +599,7 @@ class KVStore:
             for key, ptoks in pages[:found]:
                 node = self._index.get(key)
                 if node is None:
-                    node = self._index.insert(parent, key, ptoks)
+                    node = self._index.insert(parent, key, ptoks, tail=len(ptoks) < spec.page_size * TOKEN_BYTES)
                     node.ready = True
                     self._placement.add(node, "redis", self._size_in(node, "redis"))
                     self._placement.touch(node, self._clock)
@@ -729,7 +736,9 @@ class KVStore:
                 orphans += 1
                 disk.delete(key)
                 continue
-            node = self._index.insert(parent, key, record.tokens)
+            spec = self._registry.specs_by_namespace.get(record.namespace)
+            tail = record.num_tokens < spec.page_size if spec else record.num_tokens < parent.num_tokens
+            node = self._index.insert(parent, key, record.tokens, tail=tail)
             node.ready = True
             codec_bytes = _record_payload_bytes(record)
             self._placement.add(node, "disk", disk_record_cost(codec_bytes, record.num_tokens))

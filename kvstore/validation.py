@@ -96,12 +96,15 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
+MAX_CHUNKS = 4096  # per blend: each is a lookup of its own; more is a request to refuse, not to serve slowly
+
+
 def check_chunks(chunks: Any, *, max_tokens: int) -> list[bytes]:
     """CacheBlend chunks: a non-empty list of non-empty token lists -> int32 LE bytes per chunk."""
     if isinstance(chunks, (str, bytes, bytearray)) or not isinstance(chunks, (list, tuple)):
         raise InvalidTokens(f"chunks: expected a list of token lists, got {type(chunks).__name__}", field="chunks")
-    if not chunks:
-        raise InvalidTokens("chunks: must hold at least one chunk", field="chunks")
+    if not 1 <= len(chunks) <= MAX_CHUNKS:
+        raise InvalidTokens(f"chunks: must hold 1 to {MAX_CHUNKS} chunks, got {len(chunks)}", field="chunks")
     out = [token_bytes(c, max_tokens=max_tokens, field=f"chunks[{i}]") for i, c in enumerate(chunks)]
     for i, tb in enumerate(out):
         if not tb:

@@ -50,6 +50,13 @@ def test_ratio_one_is_a_full_prefill_on_miss_and_on_hit(model, store):
         assert (got.logits - want).abs().max() <= ATOL
 
 
+def test_short_attention_segments_change_nothing(model, store, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("decode.recompute.SEGMENT_TOKENS", 5)
+    prefix, chunks, question = ids(60, 3), [ids(61, 23), ids(62, 14)], ids(63, 2)
+    got = generate(model, question, 2, backend=store, prefix=prefix, chunks=chunks, blend_ratio=1.0, return_logits=True)
+    assert (got.logits - full_logits(model, prefix, chunks, question, 2)).abs().max() <= ATOL
+
+
 def test_ratio_zero_is_the_stored_chunks_concatenated(model, store):
     prefix, chunks, question = ids(5, 7), [ids(6, 16), ids(7, 11)], ids(8, 3)
     generate(model, question, 1, backend=store, prefix=prefix, chunks=chunks, blend_ratio=0.0)  # stores the chunks

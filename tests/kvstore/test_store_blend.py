@@ -11,7 +11,7 @@ import torch
 
 from gpu.rope import apply_rope_ref
 from kvstore import KVStore, ModelSpec, StoreConfig
-from kvstore.errors import InvalidStart, InvalidTokens, Unsupported
+from kvstore.errors import InvalidStart, InvalidTokens, PayloadTooLarge, Unsupported
 
 
 def spec_for(style: str = "neox", **kw) -> ModelSpec:
@@ -107,9 +107,16 @@ def test_linear_and_llama3_scalings_are_blended(store: KVStore):
 
 
 @pytest.mark.parametrize("chunks,start_pos,error", [
-    ([], 0, InvalidTokens), ([[]], 0, InvalidTokens), ([[1, -2]], 0, InvalidTokens), ("abc", 0, InvalidTokens),
+    ([], 0, InvalidTokens), ([[]], 0, InvalidTokens), ([[1]] * 4097, 0, InvalidTokens), ([[1, -2]], 0, InvalidTokens), ("abc", 0, InvalidTokens),
     ([[1, 2]], -1, InvalidStart), ([[1, 2]], 1.5, InvalidStart), ([[1, 2]], True, InvalidStart)])
 def test_bad_input_names_the_field(store: KVStore, chunks, start_pos, error):
     store.register_model("m", spec_for())
     with pytest.raises(error):
         store.blend("m", chunks, start_pos=start_pos)
+
+
+def test_an_answer_of_misses_is_bounded_too(store: KVStore):
+    spec = ModelSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)  # 128 KiB/token
+    store.register_model("big", spec)
+    with pytest.raises(PayloadTooLarge, match="chunks"):
+        store.blend("big", [list(range(5000)), list(range(5000, 10000))])
