@@ -109,8 +109,11 @@ class Replayer:
         self.promote_on_hit = promote_on_hit
         self.clock = 0
 
-    def request(self, keys: list[bytes], tokens: list[bytes], next_use: list[int]) -> list[str]:
-        """Replay one request; returns the tier that served each hit block, in order."""
+    def request(self, keys: list[bytes], tokens: list[bytes], next_use: list[int],
+                last_is_tail: bool = False) -> list[str]:
+        """Replay one request; returns the tier that served each hit block, in order.
+        `last_is_tail`: the prompt ends inside its last block, which the store keeps as a tail
+        page (fewer tokens than a full page), as KVStore does."""
         placement, index = self.placement, self.index
         self.oracle.of.update(zip(keys, next_use))
         # -- fetch: the leading run of cached blocks is the hit.
@@ -138,13 +141,13 @@ class Replayer:
         self.clock += 1
         held: list[Node] = []
         parent = self.root
-        for key, token in zip(keys, tokens):
+        for i, (key, token) in enumerate(zip(keys, tokens)):
             node = index.get(key)
             if node is None:
                 tier = next((t for t in placement.order if placement.make_room(t, 1)), None)
                 if tier is None:
                     break  # every page is pinned: store what fitted, as KVStore.store does
-                node = index.insert(parent, key, token)
+                node = index.insert(parent, key, token, tail=last_is_tail and i == len(keys) - 1)
                 node.ready = True
                 placement.pin(node)
                 placement.touch(node, self.clock)
@@ -167,7 +170,8 @@ def replay(trace: CompiledTrace, tiers: list[tuple[str, int]], policy: str | Pol
     start = time.perf_counter()
     for r in range(trace.requests):
         keys = trace.keys[r]
-        served = replayer.request(keys, trace.tokens[r], trace.next_use[r])
+        served = replayer.request(keys, trace.tokens[r], trace.next_use[r],
+                                  last_is_tail=trace.input_lengths[r] % BLOCK_TOKENS != 0)
         for tier in served:
             result.tier_hits[tier] += 1
         result.hit_blocks += len(served)

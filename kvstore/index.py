@@ -29,7 +29,7 @@ TOKEN_BYTES = 4  # tokens are kept as int32 little-endian bytes
 
 class Node:
     __slots__ = ("key", "parent", "tokens", "children", "by_first", "tiers", "tier_kids", "pins",
-                 "ready", "last_access", "hits", "namespace", "depth", "__weakref__")
+                 "ready", "last_access", "hits", "namespace", "depth", "tail", "__weakref__")
 
     def __init__(self, key: bytes, parent: "Node | None", tokens: bytes, namespace: bytes):
         self.key = key
@@ -45,6 +45,7 @@ class Node:
         self.hits = 0  # times served by a fetch (policies use it for frequency)
         self.namespace = namespace
         self.depth = 0 if parent is None else parent.depth + 1
+        self.tail = False  # a tail page: fewer tokens than a full page, the end of a sequence
 
     @property
     def num_tokens(self) -> int:
@@ -128,12 +129,14 @@ class PageIndex:
                 offset += best_len
         return Match(root, path, offset // TOKEN_BYTES)
 
-    def insert(self, parent: Node, key: bytes, tokens: bytes) -> Node:
-        """Add a page under `parent` (not yet ready: the caller marks it ready once written)."""
+    def insert(self, parent: Node, key: bytes, tokens: bytes, *, tail: bool = False) -> Node:
+        """Add a page under `parent` (not yet ready: the caller marks it ready once written).
+        `tail`: the page holds fewer tokens than a full page (policies may rank it apart)."""
         assert key not in self.nodes, "insert of an existing key"
         assert parent.is_root or parent.num_tokens > 0, "a page's parent is a page or a root"
         node = Node(key, parent, tokens, parent.namespace)
         node.ready = False
+        node.tail = tail
         self.nodes[key] = node
         parent.children[key] = node
         parent.by_first.setdefault(tokens[:TOKEN_BYTES], []).append(node)

@@ -100,46 +100,24 @@ class LRUPrefixPolicy(EvictionPolicy):
 
 
 class LRUTailPolicy(EvictionPolicy):
-    """Leaf-first LRU that evicts never-extended pages first: the ends of stored sequences.
+    """Leaf-first LRU that evicts tail pages first: the partial last pages of stored sequences.
 
     A prompt's last page is usually partial, and the next turn of the conversation does not
-    extend it: it rewrites that page with more tokens, so a new page (a new hash id in Mooncake
-    traces) hangs under the previous full page and the old last page is matched again only by a
-    retried prompt (in the Mooncake sample, 5% of last blocks are reused against 45-67% of the
-    others). So among evictable leaves, pages under which no child was ever stored go first (LRU
-    among them), then the rest in LRU order.
+    extend it: the store writes a *full* page with more tokens beside it (and drops the tail),
+    so a tail page is matched again only by a retried prompt. In the Mooncake sample, 5% of last
+    blocks are reused against 45-67% of the others. So among evictable leaves, tail pages go
+    first (LRU among them), then full pages in LRU order.
 
-    Why it is safe: the rule only ranks leaves, and a sequence has one end, so it can cost at
-    most one page per stored sequence against `lru-prefix` (when the end was a full page that the
-    next turn does extend), while it frees one page per sequence whose end is dead. No constant.
-
-    Invariant: `_extended` holds the pages of this tier under which a child page was stored
-    since they entered the tier (or that had children then); a page's class only rises, so a
-    re-push on the first child keeps the heap exact.
+    Only real tails (fewer tokens than a full page, `Node.tail`) rank first: a full last page is
+    what the next turn hangs its child under, and a sequence stored a moment ago is served whole.
+    No constant; without tail pages this is exactly `lru-prefix`.
     """
 
     name = "lru-tail"
     leaf_first = True
 
-    def __init__(self, tier: str):
-        super().__init__(tier)
-        self._extended: set[Node] = set()
-
     def priority(self, node: Node) -> Any:
-        return (node in self._extended, node.last_access)
-
-    def insert(self, node: Node) -> None:
-        if node.children:  # demoted or promoted with its subtree already stored
-            self._extended.add(node)
-        self._push(node)
-        parent = node.parent
-        if parent is not None and parent in self._live and parent not in self._extended:
-            self._extended.add(parent)
-            self._push(parent)  # its class rose
-
-    def remove(self, node: Node) -> None:
-        super().remove(node)
-        self._extended.discard(node)
+        return (not node.tail, node.last_access)
 
 
 class ARCPrefixPolicy(EvictionPolicy):

@@ -1,5 +1,6 @@
-"""`lru-tail`: never-extended pages (the ends of stored sequences) are evicted before the rest,
-leaf-first, and what a user sees is more prefix hits where conversations continue."""
+"""`lru-tail`: tail pages (the partial ends of stored sequences) are evicted before the rest,
+leaf-first, and what a user sees is more prefix hits where conversations continue, while a
+sequence stored a moment ago is still served whole."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,12 +14,13 @@ from kvstore.policies import POLICIES, LRUTailPolicy
 
 
 def _trace(*prompts: list[int]):
-    return compile_trace("t", [Request(i, 512 * len(ids), 1, tuple(ids)) for i, ids in enumerate(prompts)])
+    # Each prompt ends 100 tokens into its last 512-token block: that block is a tail page.
+    return compile_trace("t", [Request(i, 512 * len(ids) - 100, 1, tuple(ids)) for i, ids in enumerate(prompts)])
 
 
 def test_a_continued_conversation_outlives_request_ends() -> None:
-    # 2 is extended by the second turn (4 hangs under it); 3, 4, 5, 6 are ends of prompts.
-    # When 2 becomes a leaf, LRU drops it (oldest), lru-tail drops the newer dead end 5 instead,
+    # 2 is extended by the second turn (4 hangs under it); 3, 4, 5, 6 are tails (prompt ends).
+    # When 2 becomes a leaf, LRU drops it (oldest), lru-tail drops the newer tail 5 instead,
     # so the third turn [1, 2, 8] finds both of its leading blocks.
     trace = _trace([1, 2, 3], [1, 2, 4], [5], [6], [7], [1, 2, 8])
     tiers = [("cpu", 4)]

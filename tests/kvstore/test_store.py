@@ -315,3 +315,17 @@ def test_eight_threads_store_and_fetch_overlapping_prefixes(make_store, spec):
         t.join()
     assert not errors, errors[0]
     assert store.lookup("m", base).matched_tokens == 12
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-prefix", "lru-tail", "arc-prefix"])
+def test_a_sequence_just_stored_is_served_whole_under_pressure(make_store, spec, policy):
+    # Every policy: a full prompt stored a moment ago (its last page is full) is fetched whole,
+    # even when the tier is full of older sequences.
+    store = make_store(cpu_bytes=spec.page_bytes * 10, disk_bytes=0, data_dir=None, policy=policy)
+    store.register_model("m", spec)
+    for i in range(30):
+        tokens = [i * 100 + t for t in range(16)]  # 4 full pages
+        kv = random_kv(spec, 16, seed=i)
+        store.store("m", tokens, kv)
+        got = store.fetch("m", tokens)
+        assert got.matched_tokens == 16 and torch.equal(got.kv, kv), (policy, i)
