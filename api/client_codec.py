@@ -85,10 +85,10 @@ def blend_body(model: str, chunks: Any, start_pos: int = 0) -> bytes:
     return small_body(fields)
 
 
-def decode(status: int, content_type: str, body: bytearray | bytes) -> Any:
+def decode(status: int, content_type: str, body: bytearray | bytes | memoryview) -> Any:
     """The response's object; raises the matching KVStoreError for a 4xx/5xx."""
     try:
-        obj: Any = json.loads(body) if content_type.startswith(JSON) else unpack_map(body) if body else {}
+        obj: Any = json.loads(bytes(body)) if content_type.startswith(JSON) else unpack_map(body) if len(body) else {}
     except (ValueError, FramingError):
         obj = None
     if status >= 400:

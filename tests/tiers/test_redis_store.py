@@ -160,6 +160,10 @@ def test_redis_killed_mid_run_local_tiers_keep_serving_then_sharing_resumes(make
     assert a.store("m", new, new_kv).stored_tokens == 8  # stored locally; the Redis copy is lost
     assert b.lookup("m", new).matched_tokens == 0 and b.fetch("m", new).matched_tokens == 0
     assert time.monotonic() - t0 < 2.0  # nobody waited on the dead Redis beyond its timeout
+    # A's write of `new` to Redis fails in its background writer: "up" drops once it has tried.
+    down_by = time.monotonic() + 3
+    while a.stats()["tiers"]["redis"]["up"] and time.monotonic() < down_by:
+        time.sleep(0.05)
     assert a.stats()["tiers"]["redis"]["up"] == 0
     redis_server.start()  # empty: no persistence
     deadline = time.monotonic() + 10
