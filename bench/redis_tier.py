@@ -95,7 +95,7 @@ def stored_prompt(store: KVStore, spec: ModelSpec, pages: int, seed: int) -> tup
     tokens = list(range(seed * 10**6, seed * 10**6 + n))
     kv = torch.randn(spec.kv_shape(n), generator=torch.Generator().manual_seed(seed)).half()  # (L, 2, T, H, D)
     store.store("m", tokens, kv)
-    store._record_tiers["redis"].flush(60)
+    store.flush(60)
     assert torch.equal(store.fetch("m", tokens).kv, kv), "the Redis tier returned other bytes"
     keys = [PREFIX.encode() + k for k in prefix_keys(namespace_key("m", spec.fingerprint), tokens, spec.page_size)]
     return tokens, kv, keys

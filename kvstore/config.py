@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}

@@ -19,41 +19,32 @@ Placement of a new page: the top configured tier (gpu, else cpu, else disk) that
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import warnings
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
+from kvstore.codecs import TORCH_DTYPES
+from kvstore.config import ModelSpec, StoreConfig
 from kvstore.copy import copy_into
-from kvstore.config import CODECS as CODEC_NAMES
-from kvstore.config import DTYPE_BYTES, ModelSpec, StoreConfig
 from kvstore.errors import InsufficientStorage, InvalidModelSpec, PayloadTooLarge
 from kvstore.host_memory import empty_host
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import chunk_key, page_key
 from kvstore.placement import Placement
+from kvstore.rebuild import rebuild_index
 from kvstore.registry import Model, ModelRegistry
 from kvstore.rerotate import check_rerotatable, rerotate_into
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
+from kvstore.tier_stack import TierStack
 from kvstore.validation import (check_chunks, check_device, check_kv, check_model_name, check_start,
                                 check_start_pos, token_bytes)
-from tiers.base import PageRecord, TierFull
-from tiers.cpu import CPUTier
-from tiers.disk_cost import disk_record_cost
+from tiers.base import PageRecord
 
 log = logging.getLogger("kvstore.store")
 
-DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
-LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
 MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
 MIN_BLEND_LIMIT_BYTES = 1 << 30  # a blend answer may hold this much KV, or the memory tiers' capacity if more
-READ_BATCH_BYTES = 4 << 20  # a batching record tier (Redis) reads up to this much per round trip:
-# many small pages share one; big pages go a few at a time (redis-py parses huge pipelined
-# replies slower than single ones), and the tier reads the next batches ahead while this one
-# is decoded
 
 
 class KVStore:
@@ -64,46 +55,16 @@ class KVStore:
         self._lock = threading.RLock()
         self._index = PageIndex()
         self._registry = ModelRegistry(config.data_dir if config.disk_bytes else None)
-        self._slot_tiers: dict[str, Any] = {}
-        self._record_tiers: dict[str, Any] = {}
-        self._codecs: dict[str, Codec] = {}
-        capacities: list[tuple[str, int]] = []
-        if config.gpu_bytes:
-            from tiers.gpu import GPUTier  # raises a clear error without a usable GPU
-
-            self._slot_tiers["gpu"] = GPUTier(config.gpu_bytes)
-            self._codecs["gpu"] = get_codec("none")
-            capacities.append(("gpu", config.gpu_bytes))
-        if config.cpu_bytes:
-            self._slot_tiers["cpu"] = CPUTier(config.cpu_bytes)
-            self._codecs["cpu"] = get_codec(config.cpu_codec)
-            capacities.append(("cpu", config.cpu_bytes))
-        if config.disk_bytes:
-            from tiers.disk import DiskTier
-
-            self._record_tiers["disk"] = DiskTier(
-                os.path.join(config.data_dir, "pages"), config.disk_bytes,  # type: ignore[arg-type]
-                compression=config.disk_compression, zstd_level=config.zstd_level,
-                sync=config.durability == "write-through", queue_pages=config.disk_writer_queue)
-            self._codecs["disk"] = get_codec(config.disk_codec)
-            # The tier's capacity, not disk_bytes: it is smaller on a filesystem with less room.
-            disk_capacity = self._record_tiers["disk"].capacity_bytes
-            capacities.append(("disk", max(0, int(disk_capacity * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES)))
-        if config.redis_url:
-            from tiers.redis import RedisTier
-
-            self._record_tiers["redis"] = RedisTier(config)
-            self._codecs["redis"] = get_codec(config.disk_codec)
-            capacities.append(("redis", 1 << 62))  # Redis' own maxmemory policy bounds it
-        self._placement = Placement(self._index, capacities, config.policy, mover=self, size_in=self._size_in,
-                                    raw_size_in=self._raw_size_in)
-        self._top = capacities[0][0]
+        self._tiers = tiers = TierStack(config, self._registry)
+        self._placement = Placement(self._index, tiers.capacities, config.policy, mover=tiers,
+                                    size_in=tiers.size_in, raw_size_in=tiers.raw_size_in)
+        tiers.placement = self._placement
         self._clock = 0
         self._counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
                           "fetched_tokens": 0, "stored_pages": 0, "requested_tokens": 0}
         self._closed = False
-        if "disk" in self._record_tiers:
-            self._rebuild_from_disk()
+        if "disk" in tiers.record_tiers:
+            rebuild_index(self._index, self._placement, self._registry, tiers.record_tiers["disk"])
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "KVStore":
@@ -119,27 +80,14 @@ class KVStore:
             if self._closed:
                 return
             self._closed = True
-            if "disk" in self._record_tiers:
-                self._save_memory_pages()
-            for tier in list(self._record_tiers.values()) + list(self._slot_tiers.values()):
-                tier.close()
+            if "disk" in self._tiers.record_tiers:
+                self._tiers.save_memory_pages(self._index)
+            self._tiers.close()
 
-    def _save_memory_pages(self) -> None:
-        """Copy pages held only in memory tiers down to disk, parents first, while room lasts."""
-        saved = 0
-        for node in sorted(self._index.nodes.values(), key=lambda n: n.depth):
-            if "disk" in node.tiers or not node.ready:
-                continue
-            if node.parent is not None and not node.parent.is_root and "disk" not in node.parent.tiers:
-                continue  # its parent did not make it: the page could not be matched after restart
-            nbytes = self._size_in(node, "disk")
-            if not self._placement.fits("disk", nbytes):
-                continue  # closing must not evict older disk pages for newer memory ones
-            if self.copy_down(node, self._source_tier(node), "disk"):
-                self._placement.add(node, "disk", nbytes)
-                saved += 1
-        if saved:
-            log.info("close: %d memory-only pages written to disk", saved)
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until queued tier writes (the disk writer, Redis' write-behind) are done, e.g.
+        before reading the disk from another process. False if `timeout_s` ran out first."""
+        return all(tier.flush(timeout_s) for tier in self._tiers.record_tiers.values())
 
     # -- models ----------------------------------------------------------------------------
     def register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> ModelSpec:
@@ -188,12 +136,12 @@ class KVStore:
         with self._lock:
             self._drain_lost_copies()
             match = self._index.match(entry.namespace, tb, entry.spec.page_size)
-            shared = self._record_tiers.get("redis")
+            shared = self._tiers.record_tiers.get("redis")
             tiers: dict[str, int] = {}
             done = 0
             for node in match.path:
                 used = min(node.num_tokens, match.matched_tokens - done)
-                tier = self._source_tier(node)
+                tier = self._tiers.source_tier(node)
                 if tier == "redis" and not shared.available:
                     break  # Redis is unreachable: a fetch could not serve these pages now
                 tiers[tier] = tiers.get(tier, 0) + used
@@ -231,11 +179,11 @@ class KVStore:
                 used = min(node.num_tokens, match.matched_tokens - offset)
                 self._placement.pin(node)
                 self._placement.touch(node, self._clock)
-                tier = self._source_tier(node)
+                tier = self._tiers.source_tier(node)
                 if offset + used > start:
                     self._placement.usage[tier].hits += 1
                     node.hits += 1
-                    slot = self._slot_tiers[tier].get(node.key) if tier in self._slot_tiers else None
+                    slot = self._tiers.slot_tiers[tier].get(node.key) if tier in self._tiers.slot_tiers else None
                     reads.append((node, offset, used, tier, slot))
                 offset += used
         shape, dtype = spec.kv_shape(match.matched_tokens - start), TORCH_DTYPES[spec.dtype]
@@ -244,13 +192,13 @@ class KVStore:
         promote: list[tuple[Node, torch.Tensor]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
         records: dict[bytes, PageRecord | None] = {}
-        stream = self._record_batches(reads)
+        stream = self._tiers.record_batches(reads)
         try:
             for node, first, used, tier, slot in reads:
                 lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page
                 if slot is None and node.key not in records:
                     records = next(stream, {})
-                page = self._read_page(spec, node, tier, slot, records.pop(node.key, None),
+                page = self._tiers.read_page(spec, node, tier, slot, records.pop(node.key, None),
                                        whole=(lo == first and used == node.num_tokens),
                                        out=out[:, :, lo - start:first + used - start])
                 if page is None:  # the copy went bad (corrupt, evicted by Redis, unreachable): serve what came before it
@@ -259,12 +207,12 @@ class KVStore:
                     break
                 if page is not True:
                     copy_into(out[:, :, lo - start:first + used - start], page[:, :, lo - first:used])
-                if tier != self._top and self.config.promote_on_hit and lo == first:
+                if tier != self._tiers.top and self.config.promote_on_hit and lo == first:
                     promote.append((node, out[:, :, lo - start:first + used - start] if page is True else page))
         finally:
             with self._lock:
                 for node, kv in promote:
-                    self._promote(spec, node, kv)
+                    self._tiers.promote(spec, node, kv)
                 for node in match.path:
                     self._placement.unpin(node)
                 for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
@@ -276,74 +224,6 @@ class KVStore:
         if matched <= start:
             return FetchResult(matched, self._empty_kv(spec, dev))
         return FetchResult(matched, out[:, :, :matched - start])
-
-    def _record_batches(self, reads: list) -> Iterator[dict[bytes, PageRecord | None]]:
-        """Records of the reads served by record tiers, in order, one dict per batch. A tier
-        that batches (Redis: `read_ahead`, pipelined, the next batches in flight while the
-        caller decodes this one) gets runs of up to READ_BATCH_BYTES; others one page a call.
-        Outside the lock: the pages are pinned."""
-        runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
-        nbytes = 0
-        for node, _, _, tier, slot in reads:
-            if slot is not None:
-                continue
-            batching = hasattr(self._record_tiers[tier], "read_ahead")
-            if not runs or runs[-1][0] != tier or not batching:
-                runs.append((tier, [[]]))
-                nbytes = 0
-            elif nbytes >= READ_BATCH_BYTES:
-                runs[-1][1].append([])
-                nbytes = 0
-            runs[-1][1][-1].append(node.key)
-            nbytes += node.tiers.get(tier, 0)
-        for tier, batches in runs:
-            record_tier = self._record_tiers[tier]
-            if hasattr(record_tier, "read_ahead"):
-                yield from record_tier.read_ahead(batches)
-            else:
-                yield {batches[0][0]: record_tier.get(batches[0][0])}
-
-    def _read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
-                   record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:
-        """Decode one page from its slot or its record. True: decoded straight into `out`; a
-        tensor: the whole page (L, 2, n, H, D) for the caller to slice; None: the page is gone
-        (a miss from here). A record must carry the node's token ids (a shared tier's key is
-        found by hash: a collision or a foreign value is a miss, never wrong KV)."""
-        codec = self._codecs[tier]
-        n = node.num_tokens
-        if slot is not None:
-            data = slot[:codec.encoded_bytes(spec, n)]
-        else:
-            if record is None or record.shape != spec.kv_shape(n) or bytes(record.tokens) != node.tokens:
-                return None
-            if record.codec != codec.name:  # sidecars sharing Redis may run different codecs
-                if record.codec not in CODEC_NAMES:
-                    return None
-                codec = get_codec(record.codec)
-            data = _byte_tensor(record.payload)
-            if data.numel() != codec.encoded_bytes(spec, n):
-                return None
-        if whole:
-            codec.decode(spec, data, n, out)
-            return True
-        page = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype], device=out.device)  # (L, 2, n, H, D)
-        codec.decode(spec, data, n, page)
-        return page
-
-    def _promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> None:
-        """Copy a page served by a lower tier into the top tier (under the lock)."""
-        top = self._top
-        if top in node.tiers or top not in self._slot_tiers or not node.ready:
-            return
-        nbytes = self._size_in(node, top)
-        if not self._placement.make_room(top, nbytes):
-            return
-        slot = self._allocate(top, node.key, nbytes)
-        if slot is None:
-            return
-        self._codecs[top].encode(spec, kv, slot[:self._codecs[top].encoded_bytes(spec, node.num_tokens)])
-        self._placement.add(node, top, nbytes)
-        self._placement.usage[top].promotions += 1
 
     # -- store -----------------------------------------------------------------------------
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
@@ -432,7 +312,7 @@ class KVStore:
                     continue
                 if s < start:
                     break  # the caller's prefix is no longer cached: nothing after it can chain
-                tier, nbytes, slot = self._reserve(spec, key, e - s)
+                tier, nbytes, slot = self._tiers.reserve(spec, key, e - s)
                 if tier is None:
                     if not writes:
                         raise InsufficientStorage("store: no tier has room for a page (every page is pinned)")
@@ -446,18 +326,18 @@ class KVStore:
                 parent = node
                 stored_tokens = e
         durable: list[threading.Event] = []
-        shared = self._record_tiers.get("redis")
+        shared = self._tiers.record_tiers.get("redis")
         shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
         ok = False
         try:
             for node, tier, slot, s, e in writes:
                 page_kv = kv[:, :, s - start:e - start]  # (L, 2, n, H, D)
                 if slot is not None:
-                    self._codecs[tier].encode(spec, page_kv, slot[:self._codecs[tier].encoded_bytes(spec, e - s)])
+                    self._tiers.codecs[tier].encode(spec, page_kv, slot[:self._tiers.codecs[tier].encoded_bytes(spec, e - s)])
                 else:
-                    durable.append(self._record_tiers[tier].put(self._record(spec, node, tier, kv=page_kv)))
+                    durable.append(self._tiers.record_tiers[tier].put(self._tiers.record(spec, node, tier, kv=page_kv)))
                 if shared is not None and tier != "redis" and shared.available:
-                    shares.append((node, self._record(spec, node, "redis", kv=page_kv)))
+                    shares.append((node, self._tiers.record(spec, node, "redis", kv=page_kv)))
             ok = True
         finally:
             with self._lock:
@@ -465,7 +345,7 @@ class KVStore:
                     if ok:
                         node.ready = True
                         if self.config.durability == "write-through" and tier != "disk":
-                            event = self._write_through(spec, node, kv[:, :, s - start:e - start])
+                            event = self._tiers.write_through(spec, node, kv[:, :, s - start:e - start])
                             if event is not None:
                                 durable.append(event)
                         # After the write-through: the disk writer commits in queue order, so a
@@ -476,7 +356,7 @@ class KVStore:
                         self._placement.remove_from(node, tier)
                 for node, record in shares:  # queued, never waited for: Redis must not slow stores
                     if ok and node.ready and node.tiers and "redis" not in node.tiers:
-                        self._placement.add(node, "redis", self._size_in(node, "redis"))
+                        self._placement.add(node, "redis", self._tiers.size_in(node, "redis"))
                         shared.put(record)  # type: ignore[union-attr]
                 for node in path:
                     self._placement.unpin(node)
@@ -505,56 +385,6 @@ class KVStore:
                     and not sibling.children and node.tokens.startswith(sibling.tokens):
                 self._placement.drop(sibling)
 
-    def _reserve(self, spec: ModelSpec, key: bytes, n: int) -> tuple[str | None, int, torch.Tensor | None]:
-        """Room for a new page in the top tier that has it: (tier, bytes, slot or None)."""
-        for tier in self._placement.order:
-            probe = _SizeProbe(spec, n)
-            nbytes = self._size_for(probe, tier)
-            if not self._placement.make_room(tier, nbytes):
-                continue
-            if tier in self._slot_tiers:
-                slot = self._allocate(tier, key, nbytes)
-                if slot is None:
-                    continue
-                return tier, nbytes, slot
-            return tier, nbytes, None
-        return None, 0, None
-
-    def _allocate(self, tier: str, key: bytes, nbytes: int) -> torch.Tensor | None:
-        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes."""
-        while True:
-            try:
-                return self._slot_tiers[tier].allocate(key, nbytes)
-            except TierFull:
-                if not self._placement.evict_one(tier):
-                    return None
-
-    def _write_through(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> threading.Event | None:
-        if "disk" in node.tiers:
-            return None
-        nbytes = self._size_in(node, "disk")
-        if not self._placement.make_room("disk", nbytes):
-            return None
-        event = self._record_tiers["disk"].put(self._record(spec, node, "disk", kv=kv))
-        self._placement.add(node, "disk", nbytes)
-        return event
-
-    def _record(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
-                payload: torch.Tensor | None = None) -> PageRecord:
-        """A record of `node` for a record tier, from its KV (encoded here) or its encoded bytes."""
-        codec = self._codecs[tier]
-        n = node.num_tokens
-        if payload is None:
-            assert kv is not None
-            payload = torch.empty(codec.encoded_bytes(spec, n), dtype=torch.uint8)
-            codec.encode(spec, kv, payload)
-        root = node
-        while root.parent is not None:
-            root = root.parent
-        return PageRecord(namespace=node.namespace, key=node.key, parent=node.parent.key,  # type: ignore[union-attr]
-                          tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
-                          payload=payload, kind="page" if root.key == node.namespace else "chunk")
-
     # -- the shared tier (Redis) -----------------------------------------------------------
     def _probe_shared(self, root_key: bytes, spec: ModelSpec, tb: bytes) -> None:
         """Add the pages past the local match that Redis holds (other sidecars stored them) to
@@ -563,7 +393,7 @@ class KVStore:
         Page keys are chained hashes of the tokens, so they are computed here without any index.
         Redis I/O (pipelined EXISTS) runs outside the lock; the tree is re-checked under it.
         Token ids are verified when a page is read (`_read_page`): a collision is a miss."""
-        shared = self._record_tiers.get("redis")
+        shared = self._tiers.record_tiers.get("redis")
         if shared is None or not shared.available:
             return
         P = spec.page_size
@@ -601,7 +431,7 @@ class KVStore:
                 if node is None:
                     node = self._index.insert(parent, key, ptoks, tail=len(ptoks) < spec.page_size * TOKEN_BYTES)
                     node.ready = True
-                    self._placement.add(node, "redis", self._size_in(node, "redis"))
+                    self._placement.add(node, "redis", self._tiers.size_in(node, "redis"))
                     self._placement.touch(node, self._clock)
                 elif node.parent is not parent or not node.ready or node.tokens != ptoks:
                     break  # a concurrent store is writing it, or a collision: stop here
@@ -609,76 +439,7 @@ class KVStore:
                     break  # a tail page is a leaf
                 parent = node
 
-    # -- TierMover (called by Placement under the lock) ------------------------------------
-    def copy_down(self, node: Node, src: str, dst: str) -> bool:
-        spec = self._registry.specs_by_namespace.get(node.namespace)
-        if spec is None:
-            return False
-        n = node.num_tokens
-        if src == "gpu" and dst in self._slot_tiers:
-            # Quantize on the device (when the lower tier's codec asks for it) before the
-            # device->host copy: only the compact bytes cross PCIe.
-            slot = self._allocate(dst, node.key, self._size_in(node, dst))
-            if slot is None:
-                return False
-            codec = self._codecs[dst]
-            self._slot_tiers["gpu"].copy_out(node.key, spec, n, codec, slot[:codec.encoded_bytes(spec, n)]).synchronize()
-            return True
-        if src in self._slot_tiers:
-            data = self._slot_tiers[src].get(node.key)[:self._codecs[src].encoded_bytes(spec, n)]
-        else:
-            record = self._record_tiers[src].get(node.key)
-            if record is None:
-                return False
-            data = _byte_tensor(record.payload)
-        if self._codecs[src].name == self._codecs[dst].name and dst in self._record_tiers:
-            # Same encoding below: hand the bytes down as they are (one copy, no re-encode).
-            self._record_tiers[dst].put(self._record(spec, node, dst, payload=data.clone()))
-            return True
-        kv = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype])  # (L, 2, n, H, D)
-        self._codecs[src].decode(spec, data.cpu(), n, kv)
-        if dst in self._record_tiers:
-            self._record_tiers[dst].put(self._record(spec, node, dst, kv=kv))
-            return True
-        slot = self._allocate(dst, node.key, self._size_in(node, dst))
-        if slot is None:
-            return False
-        self._codecs[dst].encode(spec, kv, slot[:self._codecs[dst].encoded_bytes(spec, n)])
-        return True
-
-    def release(self, node: Node, tier: str) -> None:
-        if tier in self._slot_tiers:
-            self._slot_tiers[tier].delete(node.key)
-        else:
-            self._record_tiers[tier].delete(node.key)
-
-    # -- sizes -----------------------------------------------------------------------------
-    def _size_in(self, node: Node, tier: str) -> int:
-        spec = self._registry.specs_by_namespace.get(node.namespace)
-        if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
-            return node.tiers.get(tier, 1 << 62)
-        return self._size_for(_SizeProbe(spec, node.num_tokens), tier)
-
-    def _raw_size_in(self, node: Node, tier: str) -> int:
-        spec = self._registry.specs_by_namespace.get(node.namespace)
-        if spec is None:  # pages on disk of a model nobody registered since the restart
-            return node.tiers.get(tier, 0)
-        return self._size_for(_SizeProbe(spec, node.num_tokens), tier, codec=get_codec("none"))
-
-    def _size_for(self, probe: "_SizeProbe", tier: str, codec: Codec | None = None) -> int:
-        codec = codec or self._codecs[tier]
-        if tier in self._slot_tiers:
-            # Slots are sized for a full page, so tail pages and full pages share slots.
-            return self._slot_tiers[tier].slot_bytes(codec.encoded_bytes(probe.spec, probe.spec.page_size))
-        return disk_record_cost(codec.encoded_bytes(probe.spec, probe.num_tokens), probe.num_tokens)
-
     # -- helpers ---------------------------------------------------------------------------
-    def _source_tier(self, node: Node) -> str:
-        for tier in self._placement.order:
-            if tier in node.tiers:
-                return tier
-        raise AssertionError(f"{node} is in the tree but in no tier")
-
     def _count_misses(self, path: list[Node], missed: bool) -> None:
         """Each tier above the one that served a page counts a miss; a page no tier holds is a
         miss everywhere (tiers are consulted top down)."""
@@ -696,56 +457,11 @@ class KVStore:
 
     def _drain_lost_copies(self) -> None:
         """Forget copies a record tier lost on its own (corrupt records, failed writes)."""
-        for name, tier in self._record_tiers.items():
+        for name, tier in self._tiers.record_tiers.items():
             for key in tier.take_failed():
                 node = self._index.get(key)
                 if node is not None:
                     self._placement.remove_from(node, name)
-
-    def _rebuild_from_disk(self) -> None:
-        """Re-create the tree from the disk tier's headers, parents before children."""
-        disk = self._record_tiers["disk"]
-        records = {r.key: r for r in disk.scan()}
-        depth: dict[bytes, int] = {}
-
-        def depth_of(key: bytes) -> int:
-            chain = []
-            while key in records and key not in depth:
-                chain.append(key)
-                key = records[key].parent
-            base = depth.get(key, -1)
-            for k in reversed(chain):
-                base += 1
-                depth[k] = base
-            return depth[chain[0]] if chain else depth.get(key, -1)
-
-        for key in records:
-            depth_of(key)
-        loaded = orphans = 0
-        for key in sorted(records, key=depth.__getitem__):
-            record = records[key]
-            parent = self._index.get(record.parent)
-            if parent is None:
-                is_root = record.parent == record.namespace if record.kind == "page" else record.parent not in records
-                if not is_root:
-                    orphans += 1
-                    disk.delete(key)
-                    continue
-                parent = self._index.root(record.parent, record.namespace)
-            if page_key(parent.key, record.tokens) != key or (parent.parent is not None and parent.num_tokens == 0):
-                orphans += 1
-                disk.delete(key)
-                continue
-            spec = self._registry.specs_by_namespace.get(record.namespace)
-            tail = record.num_tokens < spec.page_size if spec else record.num_tokens < parent.num_tokens
-            node = self._index.insert(parent, key, record.tokens, tail=tail)
-            node.ready = True
-            codec_bytes = _record_payload_bytes(record)
-            self._placement.add(node, "disk", disk_record_cost(codec_bytes, record.num_tokens))
-            loaded += 1
-        if loaded or orphans:
-            log.info("disk tier: %d pages loaded into the index, %d orphaned records deleted", loaded, orphans)
-        self._placement.make_room("disk", 0)  # a smaller disk_bytes than last time: evict to fit
 
     # -- stats -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -757,38 +473,11 @@ class KVStore:
                 tiers[name] = {"pages": u.pages, "bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                "hits": u.hits, "misses": u.misses, "evictions": u.evictions,
                                "demotions": u.demotions, "promotions": u.promotions,
-                               "codec": self._codecs[name].name, "saved_bytes": u.saved_bytes}
-                extra = getattr(self._record_tiers.get(name), "stats", None)
+                               "codec": self._tiers.codecs[name].name, "saved_bytes": u.saved_bytes}
+                extra = getattr(self._tiers.record_tiers.get(name), "stats", None)
                 if extra is not None:  # tier-specific counters (Redis: up, errors, missing pages)
                     tiers[name].update({k: v for k, v in extra().items() if k not in tiers[name]})
-            corrupt = sum(getattr(t, "corrupt_records", 0) for t in self._record_tiers.values())
+            corrupt = sum(getattr(t, "corrupt_records", 0) for t in self._tiers.record_tiers.values())
             return {"tiers": tiers, "pages": len(self._index), "corrupt_records": corrupt,
                     "dropped_pages": self._placement.dropped_pages, "policy": self.config.policy,
                     "models": len(self._registry._models), **self._counters}
-
-
-class _SizeProbe:
-    """What a size computation needs of a page that may not exist yet."""
-
-    __slots__ = ("spec", "num_tokens")
-
-    def __init__(self, spec: ModelSpec, num_tokens: int):
-        self.spec = spec
-        self.num_tokens = num_tokens
-
-
-def _record_payload_bytes(record: PageRecord) -> int:
-    """Decoded size of a record's KV: the disk accounting's estimate after a restart."""
-    size = DTYPE_BYTES.get(record.dtype, 2)
-    for dim in record.shape:
-        size *= dim
-    return size
-
-
-def _byte_tensor(payload: Any) -> torch.Tensor:
-    """A uint8 tensor over a record payload, without copying (payloads are only read)."""
-    if isinstance(payload, torch.Tensor):
-        return payload
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: we never write them
-        return torch.frombuffer(payload, dtype=torch.uint8)

@@ -203,10 +203,11 @@ class DiskTier:
             failed, self._failed = self._failed, []
         return failed
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued before this call is committed. False on timeout."""
         done = threading.Event()
         self._queue.put((None, None, done))
-        done.wait()
+        return done.wait(timeout_s)
 
     def stored_bytes(self) -> int:
         info = self.env.info()

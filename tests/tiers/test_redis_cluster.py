@@ -47,7 +47,7 @@ def test_two_stores_share_pages_through_redis_cluster(cluster: list[RedisServer]
         tokens = list(range(64))
         kv = torch.randn(spec.kv_shape(64), generator=torch.Generator().manual_seed(0)).to(torch.float16)  # (L, 2, T, H, D)
         assert a.store("m", tokens, kv).new_pages == 16
-        assert a._record_tiers["redis"].flush(10)
+        assert a.flush(10)
         assert sum(n.client().dbsize() for n in cluster) == 16
         assert sum(1 for n in cluster if n.client().dbsize()) > 1  # spread over the nodes
         assert b.lookup("m", tokens).tiers == {"redis": 64}

@@ -22,10 +22,6 @@ def random_kv(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(torch.float16)  # (L, 2, T, H, D)
 
 
-def shared(store: KVStore):
-    return store._record_tiers["redis"]  # flush() only: tests wait for the write-behind queue
-
-
 def pair(make: Callable[..., KVStore], spec: ModelSpec, **overrides) -> tuple[KVStore, KVStore]:
     a, b = make("a", **overrides), make("b", **overrides)
     for store in (a, b):
@@ -37,7 +33,7 @@ def test_pages_stored_through_one_store_are_found_fetched_and_promoted_by_anothe
     a, b = pair(make_sidecar_store, spec)
     tokens, kv = list(range(100, 110)), random_kv(spec, 10)
     assert a.store("m", tokens, kv).new_pages == 3
-    assert shared(a).flush(5)
+    assert a.flush(5)
     assert b.lookup("m", tokens).tiers == {"redis": 10}
     fetched = b.fetch("m", tokens)
     assert fetched.matched_tokens == 10 and torch.equal(fetched.kv, kv)
@@ -45,7 +41,7 @@ def test_pages_stored_through_one_store_are_found_fetched_and_promoted_by_anothe
     # B never looked this one up: fetch probes Redis itself; `start` slices as locally.
     tokens2, kv2 = list(range(500, 516)), random_kv(spec, 16, seed=2)
     a.store("m", tokens2, kv2)
-    assert shared(a).flush(5)
+    assert a.flush(5)
     fetched = b.fetch("m", tokens2 + [1, 2], start=5)
     assert fetched.matched_tokens == 16 and torch.equal(fetched.kv, kv2[:, :, 5:])
     stats = b.stats()["tiers"]["redis"]
@@ -56,7 +52,7 @@ def test_a_longer_prompt_reuses_the_shared_full_pages_past_the_local_match(make_
     a, b = pair(make_sidecar_store, spec)
     tokens, kv = list(range(100, 116)), random_kv(spec, 16)
     a.store("m", tokens, kv)
-    assert shared(a).flush(5)
+    assert a.flush(5)
     b.store("m", tokens[:4], kv[:, :, :4])  # B holds the first page itself
     found = b.lookup("m", tokens + [7, 7, 7])
     assert found.matched_tokens == 16 and found.tiers == {"cpu": 4, "redis": 12}
@@ -73,7 +69,7 @@ def test_namespaces_and_tenants_hold_across_stores(make_sidecar_store, spec):
     b.register_model("m3", other_spec)
     tokens, kv = list(range(8)), random_kv(spec, 8)
     a.store("m", tokens, kv, tenant="alice")
-    assert shared(a).flush(5)
+    assert a.flush(5)
     assert b.lookup("m", tokens, tenant="bob").matched_tokens == 0
     assert b.lookup("m", tokens).matched_tokens == 0  # no tenant is a tenant of its own
     assert b.lookup("m2", tokens).matched_tokens == 0  # another model name
@@ -88,7 +84,7 @@ def test_pages_evicted_from_the_cpu_tier_are_served_from_redis(make_sidecar_stor
     prompts = [(list(range(i * 100, i * 100 + 32)), random_kv(spec, 32, seed=i)) for i in range(12)]
     for tokens, kv in prompts:
         store.store("m", tokens, kv)
-    assert shared(store).flush(5)
+    assert store.flush(5)
     assert store.stats()["tiers"]["cpu"]["evictions"] > 0
     tokens, kv = prompts[0]
     assert "redis" in store.lookup("m", tokens).tiers
@@ -108,7 +104,7 @@ def test_corrupt_forged_and_evicted_shared_pages_are_misses(make_sidecar_store, 
     a, b = pair(make_sidecar_store, spec)
     tokens, kv = list(range(40, 52)), random_kv(spec, 12)
     a.store("m", tokens, kv)
-    assert shared(a).flush(5)
+    assert a.flush(5)
     keys = prefix_keys(namespace_key("m", spec.fingerprint), tokens, spec.page_size)
     r = redis_server.client()
     # Page 2: flip a payload byte. B serves page 1 only, and counts and deletes page 2.
@@ -118,7 +114,7 @@ def test_corrupt_forged_and_evicted_shared_pages_are_misses(make_sidecar_store, 
     fetched = b.fetch("m", tokens)
     assert fetched.matched_tokens == 4 and torch.equal(fetched.kv, kv[:, :, :4])
     assert b.stats()["corrupt_records"] == 1
-    assert shared(b).flush(5) and not r.exists(PREFIX + keys[1])
+    assert b.flush(5) and not r.exists(PREFIX + keys[1])
     # Page 1 forged: a valid record under the right key but for other tokens (a collision).
     forged = PageRecord(namespace=namespace_key("m", spec.fingerprint), key=keys[0],
                         parent=namespace_key("m", spec.fingerprint), tokens=torch.tensor([9, 9, 9, 9], dtype=torch.int32).numpy().tobytes(),
@@ -129,7 +125,7 @@ def test_corrupt_forged_and_evicted_shared_pages_are_misses(make_sidecar_store, 
     assert c.fetch("m", tokens).matched_tokens == 0
     # Evicted by Redis (maxmemory, TTL, FLUSHALL): a miss; the copy is forgotten.
     a.store("m", list(range(900, 908)), random_kv(spec, 8))
-    assert shared(a).flush(5)
+    assert a.flush(5)
     assert b.lookup("m", list(range(900, 908))).tiers == {"redis": 8}
     r.flushall()
     assert b.fetch("m", list(range(900, 908))).matched_tokens == 0
@@ -140,9 +136,9 @@ def test_drop_model_deletes_its_pages_from_redis(make_sidecar_store, spec, redis
     a, b = pair(make_sidecar_store, spec)
     tokens = list(range(12))
     a.store("m", tokens, random_kv(spec, 12))
-    assert shared(a).flush(5) and redis_server.client().dbsize() == 3
+    assert a.flush(5) and redis_server.client().dbsize() == 3
     a.drop_model("m")
-    assert shared(a).flush(5) and redis_server.client().dbsize() == 0
+    assert a.flush(5) and redis_server.client().dbsize() == 0
     assert b.lookup("m", tokens).matched_tokens == 0
 
 
@@ -151,7 +147,7 @@ def test_redis_killed_mid_run_local_tiers_keep_serving_then_sharing_resumes(make
     a, b = pair(make_sidecar_store, spec, redis_timeout_s=0.3)
     tokens, kv = list(range(60, 68)), random_kv(spec, 8)
     a.store("m", tokens, kv)
-    assert shared(a).flush(5)
+    assert a.flush(5)
     assert torch.equal(b.fetch("m", tokens).kv, kv)  # B holds it locally now
     redis_server.kill()
     t0 = time.monotonic()
@@ -170,7 +166,7 @@ def test_redis_killed_mid_run_local_tiers_keep_serving_then_sharing_resumes(make
     later, later_kv = list(range(80, 88)), random_kv(spec, 8, seed=4)
     while time.monotonic() < deadline:
         a.store("m", later, later_kv)
-        shared(a).flush(5)
+        a.flush(5)
         if b.lookup("m", later).matched_tokens == 8:
             break
         a.drop_model("m")

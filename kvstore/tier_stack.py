@@ -1,0 +1,307 @@
+"""The tier stack: the configured tiers, their codecs, and every byte copy between them.
+
+`KVStore` decides (with `Placement`) *which* page goes *where*; this module does the moving:
+reserving and filling slots, encoding records, decoding a page out of whichever tier holds it,
+copying a page down a tier (it is the `TierMover` that `Placement` calls) or up into the top tier
+on a hit, and the byte cost of a page in each tier. Callers hold the store lock for everything
+that changes placement; `read_page` and `record_batches` run outside it on pinned pages.
+
+Top to bottom: gpu (if `gpu_bytes`), cpu (if `cpu_bytes`), disk (if `disk_bytes`), redis (if
+`redis_url`). Slot tiers (gpu, cpu) hold encoded pages in preallocated slots; record tiers
+(disk, redis) hold self-describing records.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
+from kvstore.config import CODECS as CODEC_NAMES
+from kvstore.config import ModelSpec, StoreConfig
+from kvstore.index import Node, PageIndex
+from kvstore.placement import Placement
+from kvstore.registry import ModelRegistry
+from tiers.base import PageRecord, TierFull
+from tiers.cpu import CPUTier
+from tiers.disk_cost import disk_record_cost
+
+log = logging.getLogger("kvstore.store")
+
+DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
+LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
+READ_BATCH_BYTES = 4 << 20  # a batching record tier (Redis) reads up to this much per round trip:
+# many small pages share one; big pages go a few at a time (redis-py parses huge pipelined
+# replies slower than single ones), and the tier reads the next batches ahead while this one
+# is decoded
+
+
+class TierStack:
+    def __init__(self, config: StoreConfig, registry: ModelRegistry):
+        self.config = config
+        self.registry = registry
+        self.placement: Placement  # set by the store once placement exists (it needs this mover)
+        self.slot_tiers: dict[str, Any] = {}
+        self.record_tiers: dict[str, Any] = {}
+        self.codecs: dict[str, Codec] = {}
+        capacities: list[tuple[str, int]] = []
+        if config.gpu_bytes:
+            from tiers.gpu import GPUTier  # raises a clear error without a usable GPU
+
+            self.slot_tiers["gpu"] = GPUTier(config.gpu_bytes)
+            self.codecs["gpu"] = get_codec("none")
+            capacities.append(("gpu", config.gpu_bytes))
+        if config.cpu_bytes:
+            self.slot_tiers["cpu"] = CPUTier(config.cpu_bytes)
+            self.codecs["cpu"] = get_codec(config.cpu_codec)
+            capacities.append(("cpu", config.cpu_bytes))
+        if config.disk_bytes:
+            from tiers.disk import DiskTier
+
+            self.record_tiers["disk"] = DiskTier(
+                os.path.join(config.data_dir, "pages"), config.disk_bytes,  # type: ignore[arg-type]
+                compression=config.disk_compression, zstd_level=config.zstd_level,
+                sync=config.durability == "write-through", queue_pages=config.disk_writer_queue)
+            self.codecs["disk"] = get_codec(config.disk_codec)
+            # The tier's capacity, not disk_bytes: it is smaller on a filesystem with less room.
+            disk_capacity = self.record_tiers["disk"].capacity_bytes
+            capacities.append(("disk", max(0, int(disk_capacity * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES)))
+        if config.redis_url:
+            from tiers.redis import RedisTier
+
+            self.record_tiers["redis"] = RedisTier(config)
+            self.codecs["redis"] = get_codec(config.disk_codec)
+            capacities.append(("redis", 1 << 62))  # Redis' own maxmemory policy bounds it
+        self.capacities = capacities  # (tier, bytes the store may fill), top first
+        self.top = capacities[0][0]
+
+    def close(self) -> None:
+        for tier in list(self.record_tiers.values()) + list(self.slot_tiers.values()):
+            tier.close()
+
+    def source_tier(self, node: Node) -> str:
+        for tier in self.placement.order:
+            if tier in node.tiers:
+                return tier
+        raise AssertionError(f"{node} is in the tree but in no tier")
+
+    def reserve(self, spec: ModelSpec, key: bytes, n: int) -> tuple[str | None, int, torch.Tensor | None]:
+        """Room for a new page in the top tier that has it: (tier, bytes, slot or None)."""
+        for tier in self.placement.order:
+            probe = _SizeProbe(spec, n)
+            nbytes = self.size_for(probe, tier)
+            if not self.placement.make_room(tier, nbytes):
+                continue
+            if tier in self.slot_tiers:
+                slot = self.allocate(tier, key, nbytes)
+                if slot is None:
+                    continue
+                return tier, nbytes, slot
+            return tier, nbytes, None
+        return None, 0, None
+
+    def allocate(self, tier: str, key: bytes, nbytes: int) -> torch.Tensor | None:
+        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes."""
+        while True:
+            try:
+                return self.slot_tiers[tier].allocate(key, nbytes)
+            except TierFull:
+                if not self.placement.evict_one(tier):
+                    return None
+
+    def write_through(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> threading.Event | None:
+        if "disk" in node.tiers:
+            return None
+        nbytes = self.size_in(node, "disk")
+        if not self.placement.make_room("disk", nbytes):
+            return None
+        event = self.record_tiers["disk"].put(self.record(spec, node, "disk", kv=kv))
+        self.placement.add(node, "disk", nbytes)
+        return event
+
+    def record(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
+                payload: torch.Tensor | None = None) -> PageRecord:
+        """A record of `node` for a record tier, from its KV (encoded here) or its encoded bytes."""
+        codec = self.codecs[tier]
+        n = node.num_tokens
+        if payload is None:
+            assert kv is not None
+            payload = torch.empty(codec.encoded_bytes(spec, n), dtype=torch.uint8)
+            codec.encode(spec, kv, payload)
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        return PageRecord(namespace=node.namespace, key=node.key, parent=node.parent.key,  # type: ignore[union-attr]
+                          tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
+                          payload=payload, kind="page" if root.key == node.namespace else "chunk")
+
+    def promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> None:
+        """Copy a page served by a lower tier into the top tier (under the lock)."""
+        top = self.top
+        if top in node.tiers or top not in self.slot_tiers or not node.ready:
+            return
+        nbytes = self.size_in(node, top)
+        if not self.placement.make_room(top, nbytes):
+            return
+        slot = self.allocate(top, node.key, nbytes)
+        if slot is None:
+            return
+        self.codecs[top].encode(spec, kv, slot[:self.codecs[top].encoded_bytes(spec, node.num_tokens)])
+        self.placement.add(node, top, nbytes)
+        self.placement.usage[top].promotions += 1
+
+    def record_batches(self, reads: list) -> Iterator[dict[bytes, PageRecord | None]]:
+        """Records of the reads served by record tiers, in order, one dict per batch. A tier
+        that batches (Redis: `read_ahead`, pipelined, the next batches in flight while the
+        caller decodes this one) gets runs of up to READ_BATCH_BYTES; others one page a call.
+        Outside the lock: the pages are pinned."""
+        runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
+        nbytes = 0
+        for node, _, _, tier, slot in reads:
+            if slot is not None:
+                continue
+            batching = hasattr(self.record_tiers[tier], "read_ahead")
+            if not runs or runs[-1][0] != tier or not batching:
+                runs.append((tier, [[]]))
+                nbytes = 0
+            elif nbytes >= READ_BATCH_BYTES:
+                runs[-1][1].append([])
+                nbytes = 0
+            runs[-1][1][-1].append(node.key)
+            nbytes += node.tiers.get(tier, 0)
+        for tier, batches in runs:
+            record_tier = self.record_tiers[tier]
+            if hasattr(record_tier, "read_ahead"):
+                yield from record_tier.read_ahead(batches)
+            else:
+                yield {batches[0][0]: record_tier.get(batches[0][0])}
+
+    def read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
+                   record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:
+        """Decode one page from its slot or its record. True: decoded straight into `out`; a
+        tensor: the whole page (L, 2, n, H, D) for the caller to slice; None: the page is gone
+        (a miss from here). A record must carry the node's token ids (a shared tier's key is
+        found by hash: a collision or a foreign value is a miss, never wrong KV)."""
+        codec = self.codecs[tier]
+        n = node.num_tokens
+        if slot is not None:
+            data = slot[:codec.encoded_bytes(spec, n)]
+        else:
+            if record is None or record.shape != spec.kv_shape(n) or bytes(record.tokens) != node.tokens:
+                return None
+            if record.codec != codec.name:  # sidecars sharing Redis may run different codecs
+                if record.codec not in CODEC_NAMES:
+                    return None
+                codec = get_codec(record.codec)
+            data = byte_tensor(record.payload)
+            if data.numel() != codec.encoded_bytes(spec, n):
+                return None
+        if whole:
+            codec.decode(spec, data, n, out)
+            return True
+        page = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype], device=out.device)  # (L, 2, n, H, D)
+        codec.decode(spec, data, n, page)
+        return page
+
+    # -- TierMover: Placement calls these under the store lock ---------------------------
+    def copy_down(self, node: Node, src: str, dst: str) -> bool:
+        spec = self.registry.specs_by_namespace.get(node.namespace)
+        if spec is None:
+            return False
+        n = node.num_tokens
+        if src == "gpu" and dst in self.slot_tiers:
+            # Quantize on the device (when the lower tier's codec asks for it) before the
+            # device->host copy: only the compact bytes cross PCIe.
+            slot = self.allocate(dst, node.key, self.size_in(node, dst))
+            if slot is None:
+                return False
+            codec = self.codecs[dst]
+            self.slot_tiers["gpu"].copy_out(node.key, spec, n, codec, slot[:codec.encoded_bytes(spec, n)]).synchronize()
+            return True
+        if src in self.slot_tiers:
+            data = self.slot_tiers[src].get(node.key)[:self.codecs[src].encoded_bytes(spec, n)]
+        else:
+            record = self.record_tiers[src].get(node.key)
+            if record is None:
+                return False
+            data = byte_tensor(record.payload)
+        if self.codecs[src].name == self.codecs[dst].name and dst in self.record_tiers:
+            # Same encoding below: hand the bytes down as they are (one copy, no re-encode).
+            self.record_tiers[dst].put(self.record(spec, node, dst, payload=data.clone()))
+            return True
+        kv = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype])  # (L, 2, n, H, D)
+        self.codecs[src].decode(spec, data.cpu(), n, kv)
+        if dst in self.record_tiers:
+            self.record_tiers[dst].put(self.record(spec, node, dst, kv=kv))
+            return True
+        slot = self.allocate(dst, node.key, self.size_in(node, dst))
+        if slot is None:
+            return False
+        self.codecs[dst].encode(spec, kv, slot[:self.codecs[dst].encoded_bytes(spec, n)])
+        return True
+
+    def release(self, node: Node, tier: str) -> None:
+        if tier in self.slot_tiers:
+            self.slot_tiers[tier].delete(node.key)
+        else:
+            self.record_tiers[tier].delete(node.key)
+
+    # -- sizes ---------------------------------------------------------------------------
+    def size_in(self, node: Node, tier: str) -> int:
+        spec = self.registry.specs_by_namespace.get(node.namespace)
+        if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
+            return node.tiers.get(tier, 1 << 62)
+        return self.size_for(_SizeProbe(spec, node.num_tokens), tier)
+
+    def raw_size_in(self, node: Node, tier: str) -> int:
+        spec = self.registry.specs_by_namespace.get(node.namespace)
+        if spec is None:  # pages on disk of a model nobody registered since the restart
+            return node.tiers.get(tier, 0)
+        return self.size_for(_SizeProbe(spec, node.num_tokens), tier, codec=get_codec("none"))
+
+    def size_for(self, probe: "_SizeProbe", tier: str, codec: Codec | None = None) -> int:
+        codec = codec or self.codecs[tier]
+        if tier in self.slot_tiers:
+            # Slots are sized for a full page, so tail pages and full pages share slots.
+            return self.slot_tiers[tier].slot_bytes(codec.encoded_bytes(probe.spec, probe.spec.page_size))
+        return disk_record_cost(codec.encoded_bytes(probe.spec, probe.num_tokens), probe.num_tokens)
+
+    def save_memory_pages(self, index: PageIndex) -> None:
+        """Copy pages held only in memory tiers down to disk, parents first, while room lasts."""
+        saved = 0
+        for node in sorted(index.nodes.values(), key=lambda n: n.depth):
+            if "disk" in node.tiers or not node.ready:
+                continue
+            if node.parent is not None and not node.parent.is_root and "disk" not in node.parent.tiers:
+                continue  # its parent did not make it: the page could not be matched after restart
+            nbytes = self.size_in(node, "disk")
+            if not self.placement.fits("disk", nbytes):
+                continue  # closing must not evict older disk pages for newer memory ones
+            if self.copy_down(node, self.source_tier(node), "disk"):
+                self.placement.add(node, "disk", nbytes)
+                saved += 1
+        if saved:
+            log.info("close: %d memory-only pages written to disk", saved)
+
+
+class _SizeProbe:
+    """What a size computation needs of a page that may not exist yet."""
+
+    __slots__ = ("spec", "num_tokens")
+
+    def __init__(self, spec: ModelSpec, num_tokens: int):
+        self.spec = spec
+        self.num_tokens = num_tokens
+
+
+def byte_tensor(payload: Any) -> torch.Tensor:
+    """A uint8 tensor over a record payload, without copying (payloads are only read)."""
+    if isinstance(payload, torch.Tensor):
+        return payload
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: we never write them
+        return torch.frombuffer(payload, dtype=torch.uint8)
