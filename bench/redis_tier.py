@@ -29,7 +29,7 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import kvstore.store  # noqa: E402
+import kvstore.tier_stack  # noqa: E402
 import tiers.redis  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.keys import namespace_key, prefix_keys  # noqa: E402
@@ -121,15 +121,15 @@ def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, bar: tqdm) ->
             return pipe.execute()
 
         out["pipelined_vs_raw_pipeline"] = interleaved(lambda: store.fetch("m", many), raw_pipeline, repeat, bar)
-        batch, ahead = kvstore.store.READ_BATCH_BYTES, tiers.redis.READ_AHEAD
+        batch, ahead = kvstore.tier_stack.READ_BATCH_BYTES, tiers.redis.READ_AHEAD
 
         def page_by_page() -> None:
             # One page per round trip, none ahead: the same code path, unpipelined.
-            kvstore.store.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = 1, 1
+            kvstore.tier_stack.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = 1, 1
             try:
                 store.fetch("m", many)
             finally:
-                kvstore.store.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = batch, ahead
+                kvstore.tier_stack.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = batch, ahead
 
         out["pipelined_vs_page_by_page"] = interleaved(lambda: store.fetch("m", many), page_by_page, repeat, bar)
     raw.close()
