@@ -29,9 +29,16 @@ serve: install
 test: install
 	$(PY) -m pytest -q -ra
 
+# Each benchmark prints its table and writes JSON under bench/out/ (the README's figures).
 bench: install
-	$(PY) bench/tiers.py
-	$(PY) bench/eviction.py ../shared/traces/mooncake_synthetic.jsonl
+	mkdir -p bench/out
+	$(PY) bench/tiers.py --json bench/out/tiers.json
+	$(PY) bench/api.py --json bench/out/api.json
+	$(PY) bench/redis_tier.py --json bench/out/redis_tier.json
+	$(PY) bench/eviction.py ../shared/traces/mooncake_synthetic.jsonl --policies lru,lru-prefix,arc-prefix,lru-tail,belady \
+	    --json bench/out/eviction.json --plot docs/eviction.png
+	$(PY) bench/ttft.py --json bench/out/ttft.json
+	$(PY) bench/blend_quality.py --json bench/out/blend_quality.json
 
 clean:
 	rm -rf $(VENV) kvstore-data .pytest_cache
