@@ -77,6 +77,7 @@ class TierStack:
             self.codecs["redis"] = get_codec(config.disk_codec)
             capacities.append(("redis", 1 << 62))  # Redis' own maxmemory policy bounds it
         self.capacities = capacities  # (tier, bytes the store may fill), top first
+        self._sizes: dict[tuple[ModelSpec, int, str, bool], int] = {}
         self.top = capacities[0][0]
 
     def close(self) -> None:
@@ -92,8 +93,7 @@ class TierStack:
     def reserve(self, spec: ModelSpec, key: bytes, n: int) -> tuple[str | None, int, torch.Tensor | None]:
         """Room for a new page in the top tier that has it: (tier, bytes, slot or None)."""
         for tier in self.placement.order:
-            probe = _SizeProbe(spec, n)
-            nbytes = self.size_for(probe, tier)
+            nbytes = self.size_for(spec, n, tier)
             if not self.placement.make_room(tier, nbytes):
                 continue
             if tier in self.slot_tiers:
@@ -255,20 +255,28 @@ class TierStack:
         spec = self.registry.specs_by_namespace.get(node.namespace)
         if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
             return node.tiers.get(tier, 1 << 62)
-        return self.size_for(_SizeProbe(spec, node.num_tokens), tier)
+        return self.size_for(spec, node.num_tokens, tier)
 
     def raw_size_in(self, node: Node, tier: str) -> int:
         spec = self.registry.specs_by_namespace.get(node.namespace)
         if spec is None:  # pages on disk of a model nobody registered since the restart
             return node.tiers.get(tier, 0)
-        return self.size_for(_SizeProbe(spec, node.num_tokens), tier, codec=get_codec("none"))
+        return self.size_for(spec, node.num_tokens, tier, raw=True)
 
-    def size_for(self, probe: "_SizeProbe", tier: str, codec: Codec | None = None) -> int:
-        codec = codec or self.codecs[tier]
-        if tier in self.slot_tiers:
-            # Slots are sized for a full page, so tail pages and full pages share slots.
-            return self.slot_tiers[tier].slot_bytes(codec.encoded_bytes(probe.spec, probe.spec.page_size))
-        return disk_record_cost(codec.encoded_bytes(probe.spec, probe.num_tokens), probe.num_tokens)
+    def size_for(self, spec: ModelSpec, num_tokens: int, tier: str, *, raw: bool = False) -> int:
+        """Bytes a page of `num_tokens` takes in `tier` (`raw`: without the tier's codec).
+        Memoized: placement asks on every add, discard and demotion."""
+        key = (spec, num_tokens, tier, raw)
+        size = self._sizes.get(key)
+        if size is None:
+            codec = get_codec("none") if raw else self.codecs[tier]
+            if tier in self.slot_tiers:
+                # Slots are sized for a full page, so tail pages and full pages share slots.
+                size = self.slot_tiers[tier].slot_bytes(codec.encoded_bytes(spec, spec.page_size))
+            else:
+                size = disk_record_cost(codec.encoded_bytes(spec, num_tokens), num_tokens)
+            self._sizes[key] = size
+        return size
 
     def save_memory_pages(self, index: PageIndex) -> None:
         """Copy pages held only in memory tiers down to disk, parents first, while room lasts."""
@@ -286,16 +294,6 @@ class TierStack:
                 saved += 1
         if saved:
             log.info("close: %d memory-only pages written to disk", saved)
-
-
-class _SizeProbe:
-    """What a size computation needs of a page that may not exist yet."""
-
-    __slots__ = ("spec", "num_tokens")
-
-    def __init__(self, spec: ModelSpec, num_tokens: int):
-        self.spec = spec
-        self.num_tokens = num_tokens
 
 
 def byte_tensor(payload: Any) -> torch.Tensor:
