@@ -1,21 +1,16 @@
 """CPU tier: one preallocated host buffer carved into page slots.
 
 No allocation per page: the slab is allocated once (pinned when CUDA is available, so
-host<->device copies are asynchronous DMA), and slots are handed out by size class. A slot
-freed by `delete` goes on its size class's free list and is reused by the next page of the same
-size; fresh slots are cut from the untouched end of the slab.
-
-A store usually serves one model, so there is one size class and the slab never fragments. With
-several models of different page sizes, a slot freed by one model serves only models of the same
-page size; `allocate` raises `TierFull` when no slot of the size is free and the slab's end is
-used up, and the store evicts more. The tier keeps bytes; it knows nothing of pages' meaning.
+host<->device copies are asynchronous DMA) and carved into slots by `tiers.slots.SlotMap` (size
+classes, free lists; `TierFull` when no slot fits, and the store evicts more). The tier keeps
+bytes; it knows nothing of pages' meaning.
 """
 from __future__ import annotations
 
 import torch
 
 from kvstore.host_memory import empty_host
-from tiers.base import TierFull
+from tiers.slots import SlotMap
 
 SLOT_ALIGN_BYTES = 64  # cache-line aligned slots: copies in and out run at full speed
 
@@ -43,28 +38,18 @@ class CPUTier:
         # page-faults, which made a 2 MiB store ~10x slower until the tier had filled once.
         # The tier's memory is resident from the start, as its capacity promises.
         self.slab.numpy().fill(0)
-        self._end = 0  # bytes of the slab cut into slots so far
-        self._free: dict[int, list[int]] = {}  # slot size -> free slot offsets
-        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (offset, slot size)
-        self.used_bytes = 0
+        self._slots = SlotMap("cpu", capacity_bytes, SLOT_ALIGN_BYTES)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._slots.used_bytes
 
     @staticmethod
     def slot_bytes(nbytes: int) -> int:
         return -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
 
     def allocate(self, key: bytes, nbytes: int) -> torch.Tensor:
-        assert key not in self._slots, "allocate of a key that already has a slot"
-        size = self.slot_bytes(nbytes)
-        free = self._free.get(size)
-        if free:
-            offset = free.pop()
-        elif self._end + size <= self.capacity_bytes:
-            offset = self._end
-            self._end += size
-        else:
-            raise TierFull(f"cpu tier: no free {size}-byte slot ({self.used_bytes} of {self.capacity_bytes} bytes used)")
-        self._slots[key] = (offset, size)
-        self.used_bytes += size
+        offset = self._slots.allocate(key, nbytes)
         return self.slab[offset:offset + nbytes]
 
     def get(self, key: bytes) -> torch.Tensor | None:
@@ -75,13 +60,7 @@ class CPUTier:
         return self.slab[offset:offset + size]
 
     def delete(self, key: bytes) -> bool:
-        slot = self._slots.pop(key, None)
-        if slot is None:
-            return False
-        offset, size = slot
-        self._free.setdefault(size, []).append(offset)
-        self.used_bytes -= size
-        return True
+        return self._slots.free(key)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slots
@@ -91,4 +70,3 @@ class CPUTier:
 
     def close(self) -> None:
         self._slots.clear()
-        self._free.clear()

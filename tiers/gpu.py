@@ -18,7 +18,7 @@ import torch
 
 from kvstore.codecs import Codec, as_kv
 from kvstore.config import ModelSpec
-from tiers.base import TierFull
+from tiers.slots import SlotMap
 
 SLOT_ALIGN_BYTES = 256  # every slot starts 256-byte aligned: 16-byte vector loads in the kernels
 
@@ -64,11 +64,12 @@ class GPUTier:
             raise GPUUnavailable(f"gpu_bytes: {capacity_bytes} does not fit on {self.device} "
                                  f"({free} of {total} bytes free)") from exc
         self.stream = torch.cuda.Stream(self.device)  # demotion/promotion copies, off the compute stream
-        self._end = 0
-        self._free: dict[int, list[int]] = {}  # slot size -> free offsets
-        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (offset, slot size)
+        self._slots = SlotMap("gpu", capacity_bytes, SLOT_ALIGN_BYTES)
         self._pending: dict[bytes, torch.cuda.Event] = {}  # key -> last copy on self.stream touching it
-        self.used_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._slots.used_bytes
 
     @staticmethod
     def slot_bytes(nbytes: int) -> int:
@@ -76,18 +77,7 @@ class GPUTier:
 
     # -- slot protocol (tiers.base.SlotTier) ---------------------------------------------------
     def allocate(self, key: bytes, nbytes: int) -> torch.Tensor:
-        assert key not in self._slots, "allocate of a key that already has a slot"
-        size = self.slot_bytes(nbytes)
-        free = self._free.get(size)
-        if free:
-            offset = free.pop()
-        elif self._end + size <= self.capacity_bytes:
-            offset = self._end
-            self._end += size
-        else:
-            raise TierFull(f"gpu tier: no free {size}-byte slot ({self.used_bytes} of {self.capacity_bytes} bytes used)")
-        self._slots[key] = (offset, size)
-        self.used_bytes += size
+        offset = self._slots.allocate(key, nbytes)
         return self.buffer[offset:offset + nbytes]
 
     def get(self, key: bytes) -> torch.Tensor | None:
@@ -105,16 +95,12 @@ class GPUTier:
         return self.buffer[offset:offset + size]
 
     def delete(self, key: bytes) -> bool:
-        slot = self._slots.pop(key, None)
-        if slot is None:
+        if key not in self._slots:
             return False
         event = self._pending.pop(key, None)
         if event is not None:
             event.synchronize()  # a copy still reading/writing the slot must finish before reuse
-        offset, size = slot
-        self._free.setdefault(size, []).append(offset)
-        self.used_bytes -= size
-        return True
+        return self._slots.free(key)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slots
@@ -126,7 +112,6 @@ class GPUTier:
         self.stream.synchronize()
         self._pending.clear()
         self._slots.clear()
-        self._free.clear()
 
     # -- copies across PCIe, on self.stream ------------------------------------------------------
     def _page(self, key: bytes, spec: ModelSpec, num_tokens: int) -> torch.Tensor:

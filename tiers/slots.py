@@ -1,0 +1,71 @@
+"""Slot bookkeeping shared by the slot tiers (cpu, gpu): which byte range of a preallocated
+buffer holds which page. Pure Python; the tiers own the buffers.
+
+Slots are handed out by size class (rounded up to the tier's alignment). A freed slot goes on
+its class's free list and is reused by the next page of the same size; fresh slots are cut from
+the buffer's untouched end. A store usually serves one model, so there is one class and nothing
+fragments; with several page sizes, a slot freed by one serves only pages of the same size, and
+`allocate` raises `TierFull` when neither a free slot nor the untouched end fits (the store then
+evicts more).
+
+Invariant: `used_bytes` is the sum of the sizes of the slots in `_slots`; no two slots overlap.
+"""
+from __future__ import annotations
+
+from tiers.base import TierFull
+
+
+class SlotMap:
+    def __init__(self, tier: str, capacity_bytes: int, align_bytes: int):
+        self.tier = tier
+        self.capacity_bytes = capacity_bytes
+        self.align_bytes = align_bytes
+        self.used_bytes = 0
+        self._end = 0  # bytes of the buffer cut into slots so far
+        self._free: dict[int, list[int]] = {}  # slot size -> free slot offsets
+        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (offset, slot size)
+
+    def slot_bytes(self, nbytes: int) -> int:
+        return -(-nbytes // self.align_bytes) * self.align_bytes
+
+    def allocate(self, key: bytes, nbytes: int) -> int:
+        """The offset of a new slot of at least `nbytes` for `key`. Raises TierFull."""
+        assert key not in self._slots, "allocate of a key that already has a slot"
+        size = self.slot_bytes(nbytes)
+        free = self._free.get(size)
+        if free:
+            offset = free.pop()
+        elif self._end + size <= self.capacity_bytes:
+            offset = self._end
+            self._end += size
+        else:
+            raise TierFull(f"{self.tier} tier: no free {size}-byte slot "
+                           f"({self.used_bytes} of {self.capacity_bytes} bytes used)")
+        self._slots[key] = (offset, size)
+        self.used_bytes += size
+        return offset
+
+    def get(self, key: bytes) -> tuple[int, int] | None:
+        """(offset, slot size) of `key`'s slot, or None."""
+        return self._slots.get(key)
+
+    def free(self, key: bytes) -> bool:
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return False
+        offset, size = slot
+        self._free.setdefault(size, []).append(offset)
+        self.used_bytes -= size
+        return True
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def clear(self) -> None:
+        self._slots.clear()
+        self._free.clear()
+        self._end = 0
+        self.used_bytes = 0
