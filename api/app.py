@@ -26,7 +26,10 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
     app = web.Application(middlewares=[measure, errors, authenticate], client_max_size=config.max_body_bytes)
     app[STORE] = store
     app[CONFIG] = config
-    app[AUTH] = load_auth_file(config.auth_file) if config.auth_file else {}
+    auth = load_auth_file(config.auth_file) if config.auth_file else None
+    app[AUTH] = auth.tokens if auth else {}
+    for tenant, max_bytes in (auth.quotas if auth else {}).items():
+        store.set_tenant_quota(tenant, max_bytes)
     app[EXECUTOR] = ThreadPoolExecutor(config.executor_threads, thread_name_prefix="kvstore-api")
     app[METRICS] = Metrics(store.stats)
     app.add_routes(ROUTES)

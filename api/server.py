@@ -18,6 +18,7 @@ import sys
 from aiohttp import web
 
 from api.app import create_app
+from api.auth import load_auth_file
 from api.config import ServerConfig
 from api.connection_limit import ConnectionLimitedSite
 from kvstore.config import StoreConfig
@@ -75,6 +76,11 @@ async def run(store_config: StoreConfig, server_config: ServerConfig) -> None:
     from kvstore.store import KVStore  # torch, lmdb: only when actually serving
 
     check_bind(server_config)
+    if server_config.auth_file:
+        try:  # before the store opens: a bad entry is one line naming it, not a traceback
+            load_auth_file(server_config.auth_file)
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
     sock = listen_socket(server_config)
     try:
         store = KVStore(store_config)

@@ -29,7 +29,7 @@ HELP = {
     "durability": "write-through queues every stored page to disk at once",
     "host": "address to bind (non-loopback needs --auth-file or --insecure)",
     "port": "TCP port (0: any free port; the startup line names it)",
-    "auth_file": 'JSON {"<bearer token>": "<tenant>"}; enables auth on /v1/*',
+    "auth_file": 'JSON {"<bearer token>": "<tenant>" or {"tenant": ..., "max_bytes": "2GiB"}}; enables auth on /v1/*',
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "insecure": "allow a non-loopback bind without --auth-file",
 }

@@ -10,6 +10,13 @@ replays real traces through exactly this code with a mover that copies nothing.
 - A page whose last copy is dropped takes its whole subtree with it: a page whose parent is
   gone can never be matched again (index invariant).
 - Pinned pages are never chosen (policies skip them).
+- Per-tenant quotas (`set_quota`): a tenant with `max_bytes` may hold at most that many bytes in
+  each memory tier (gpu and cpu, capped separately: they are the small, contended tiers; disk and
+  Redis are not capped). When one of its pages enters a memory tier and it would go over, its own
+  pages are evicted first (its own policy instance, kept alongside the tier's, ranks only its
+  pages: leaf-first and pins hold as in the tier's), so it never pushes out other tenants' pages
+  to grow past its share; a page it cannot fit within its quota (its pages all pinned) gets no
+  room there. Tenants without a quota are placed exactly as without quotas.
 
 Not thread-safe: the store calls it under its lock.
 """
@@ -21,6 +28,9 @@ from typing import Callable, Protocol
 from kvstore.index import Node, PageIndex
 from kvstore.policies import POLICIES, EvictionPolicy
 
+
+# Tiers where tenant bytes are counted and quotas hold.
+QUOTA_TIERS = ("gpu", "cpu")
 
 # A policy name from POLICIES, or a callable that makes one policy for a tier (the eviction
 # benchmark passes its offline Belady policy this way; the store always passes a name).
@@ -63,7 +73,8 @@ class Placement:
     def __init__(self, index: PageIndex, tiers: list[tuple[str, int]], policy: str | PolicyFactory,
                  mover: TierMover | None = None,
                  size_in: Callable[[Node, str], int] | None = None,
-                 raw_size_in: Callable[[Node, str], int] | None = None):
+                 raw_size_in: Callable[[Node, str], int] | None = None,
+                 tenant_of: Callable[[bytes], str | None] | None = None):
         self.index = index
         self.order = [name for name, _ in tiers]  # top first
         self.usage = {name: TierUsage(name, capacity) for name, capacity in tiers}
@@ -75,6 +86,44 @@ class Placement:
         # What the page would take in the tier without its codec (for `saved_bytes`).
         self.raw_size_in = raw_size_in or self.size_in
         self.dropped_pages = 0  # pages that left every tier
+        # The tenant owning a namespace (None: no tenant). Must not change while the namespace
+        # has pages in a memory tier: the registry only ever adds to its map.
+        self.tenant_of = tenant_of or (lambda namespace: None)
+        self._make_policy = make_policy
+        self.quotas: dict[str, int] = {}  # tenant -> max bytes in each memory tier
+        self.tenant_bytes: dict[tuple[str, str], int] = {}  # (memory tier, tenant) -> bytes held
+        # (memory tier, tenant with a quota) -> a policy over that tenant's pages there only.
+        self.tenant_policies: dict[tuple[str, str], EvictionPolicy] = {}
+
+    def set_quota(self, tenant: str, max_bytes: int | None) -> None:
+        """Cap `tenant`'s bytes in each memory tier (None: no cap). A lower cap than the tenant
+        holds takes effect as its next page enters the tier (its own pages are evicted then)."""
+        if max_bytes is None:
+            self.quotas.pop(tenant, None)
+            for tier in QUOTA_TIERS:
+                self.tenant_policies.pop((tier, tenant), None)
+            return
+        assert max_bytes >= 0, "max_bytes must be >= 0"
+        self.quotas[tenant] = max_bytes
+        for tier in self.order:
+            if tier not in QUOTA_TIERS or (tier, tenant) in self.tenant_policies:
+                continue
+            own = self.tenant_policies[(tier, tenant)] = self._make_policy(tier)
+            for node in self.index.nodes.values():  # pages it already holds there
+                if tier in node.tiers and self.tenant_of(node.namespace) == tenant:
+                    own.insert(node)
+
+    def _own_policy(self, node: Node, tier: str) -> EvictionPolicy | None:
+        if not self.tenant_policies:  # no quotas: the hot path costs one dict test
+            return None
+        return self.tenant_policies.get((tier, self.tenant_of(node.namespace)))  # type: ignore[arg-type]
+
+    def _count_tenant(self, node: Node, tier: str, nbytes: int) -> None:
+        if tier in QUOTA_TIERS:
+            tenant = self.tenant_of(node.namespace)
+            if tenant is not None:
+                key = (tier, tenant)
+                self.tenant_bytes[key] = self.tenant_bytes.get(key, 0) + nbytes
 
     # -- bookkeeping -------------------------------------------------------------------------
     def add(self, node: Node, tier: str, nbytes: int) -> None:
@@ -88,6 +137,10 @@ class Placement:
         if parent is not None and not parent.is_root:
             parent.tier_kids[tier] = parent.tier_kids.get(tier, 0) + 1
         self.policies[tier].insert(node)
+        self._count_tenant(node, tier, nbytes)
+        own = self._own_policy(node, tier)
+        if own is not None:
+            own.insert(node)
 
     def _discard(self, node: Node, tier: str) -> None:
         nbytes = node.tiers.pop(tier)
@@ -96,6 +149,10 @@ class Placement:
         usage.pages -= 1
         usage.saved_bytes -= self.raw_size_in(node, tier) - nbytes
         self.policies[tier].remove(node)
+        self._count_tenant(node, tier, -nbytes)
+        own = self._own_policy(node, tier)  # a parent is in its child's namespace: same policy
+        if own is not None:
+            own.remove(node)
         self.mover.release(node, tier)
         parent = node.parent
         if parent is not None and not parent.is_root:
@@ -103,11 +160,16 @@ class Placement:
             parent.tier_kids[tier] = left
             if left == 0:
                 self.policies[tier].update(parent)  # it may have become an evictable leaf
+                if own is not None:
+                    own.update(parent)
 
     def touch(self, node: Node, clock: int) -> None:
         node.last_access = clock
         for tier in node.tiers:
             self.policies[tier].touch(node)
+            own = self._own_policy(node, tier)
+            if own is not None:
+                own.touch(node)
 
     def pin(self, node: Node) -> None:
         node.pins += 1
@@ -121,6 +183,9 @@ class Placement:
                 return
             for tier in node.tiers:
                 self.policies[tier].update(node)
+                own = self._own_policy(node, tier)
+                if own is not None:
+                    own.update(node)
 
     def fits(self, tier: str, nbytes: int) -> bool:
         usage = self.usage[tier]
@@ -130,10 +195,24 @@ class Placement:
         return self.order[self.order.index(tier) + 1:]
 
     # -- eviction ----------------------------------------------------------------------------
-    def make_room(self, tier: str, nbytes: int) -> bool:
-        """Evict from `tier` until `nbytes` more fit. False if that is impossible (pins)."""
+    def make_room(self, tier: str, nbytes: int, namespace: bytes | None = None) -> bool:
+        """Evict from `tier` until `nbytes` more fit. False if that is impossible (pins).
+
+        `namespace`: the page's; if its tenant has a quota in this tier, its own pages go first
+        until the page fits within the quota."""
         if nbytes > self.usage[tier].capacity_bytes:
             return False
+        tenant = self.tenant_of(namespace) if namespace is not None and self.tenant_policies else None
+        own = self.tenant_policies.get((tier, tenant)) if tenant is not None else None
+        if own is not None:
+            quota, key = self.quotas[tenant], (tier, tenant)  # type: ignore[index]
+            if nbytes > quota:
+                return False
+            while self.tenant_bytes.get(key, 0) + nbytes > quota:
+                victim = own.victim()
+                if victim is None:
+                    return False
+                self.evict(victim, tier)
         while not self.fits(tier, nbytes):
             if not self.evict_one(tier):
                 return False
@@ -155,7 +234,7 @@ class Placement:
                 break  # already held below (write-through): leaving this tier loses nothing
             node.pins += 1  # making room below must not pick the page being demoted
             try:
-                room = self.make_room(lower, self.size_in(node, lower))
+                room = self.make_room(lower, self.size_in(node, lower), node.namespace)
             finally:
                 node.pins -= 1
             if room and self.mover.copy_down(node, tier, lower):

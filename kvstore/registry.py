@@ -32,6 +32,8 @@ class ModelRegistry:
         self._path = os.path.join(data_dir, "models.json") if data_dir else None
         self._models: dict[tuple[str | None, str], Model] = {}
         self.specs_by_namespace: dict[bytes, ModelSpec] = {}
+        # Only ever added to (like specs): placement counts a page's bytes against this tenant.
+        self.tenants_by_namespace: dict[bytes, str | None] = {}
         if self._path and os.path.exists(self._path):
             self._load()
 
@@ -58,6 +60,7 @@ class ModelRegistry:
         model = Model(name, tenant, spec, namespace_key(name, spec.fingerprint, tenant))
         self._models[(tenant, name)] = model
         self.specs_by_namespace[model.namespace] = spec
+        self.tenants_by_namespace[model.namespace] = tenant
         return model
 
     def register(self, name: str, spec: ModelSpec, tenant: str | None) -> tuple[Model, bool]:

@@ -57,7 +57,8 @@ class KVStore:
         self._registry = ModelRegistry(config.data_dir if config.disk_bytes else None)
         self._tiers = tiers = TierStack(config, self._registry)
         self._placement = Placement(self._index, tiers.capacities, config.policy, mover=tiers,
-                                    size_in=tiers.size_in, raw_size_in=tiers.raw_size_in)
+                                    size_in=tiers.size_in, raw_size_in=tiers.raw_size_in,
+                                    tenant_of=self._registry.tenants_by_namespace.get)
         tiers.placement = self._placement
         self._clock = 0
         self._counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
@@ -119,6 +120,16 @@ class KVStore:
                     if not self._pinned_below(child):
                         dropped += self._placement.drop(child)
             return dropped
+
+    def set_tenant_quota(self, tenant: str, max_bytes: int | None) -> None:
+        """Cap what `tenant` holds in each memory tier (gpu, cpu) at `max_bytes` (None: no cap):
+        past it, its own least recently used pages make room, never other tenants'."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError("tenant: expected a non-empty string")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"max_bytes: expected a byte count >= 0 or None, got {max_bytes!r}")
+        with self._lock:
+            self._placement.set_quota(tenant, max_bytes)
 
     def _pinned_below(self, node: Node) -> bool:
         return any(page.pins for page in self._index.subtree(node))
@@ -312,10 +323,10 @@ class KVStore:
                     continue
                 if s < start:
                     break  # the caller's prefix is no longer cached: nothing after it can chain
-                tier, nbytes, slot = self._tiers.reserve(spec, key, e - s)
+                tier, nbytes, slot = self._tiers.reserve(spec, key, e - s, namespace)
                 if tier is None:
                     if not writes:
-                        raise InsufficientStorage("store: no tier has room for a page (every page is pinned)")
+                        raise InsufficientStorage("store: no tier has room for a page (every page is pinned, or the tenant's max_bytes is below a page)")
                     break
                 node = self._index.insert(parent, key, ptoks, tail=e - s < P)
                 self._placement.pin(node)
@@ -477,7 +488,12 @@ class KVStore:
                 extra = getattr(self._tiers.record_tiers.get(name), "stats", None)
                 if extra is not None:  # tier-specific counters (Redis: up, errors, missing pages)
                     tiers[name].update({k: v for k, v in extra().items() if k not in tiers[name]})
+            tenants: dict[str, dict[str, Any]] = {}  # names only: tokens never reach the store
+            for tenant, quota in self._placement.quotas.items():
+                tenants[tenant] = {"max_bytes": quota, "bytes": {}}
+            for (tier, tenant), nbytes in self._placement.tenant_bytes.items():
+                tenants.setdefault(tenant, {"max_bytes": None, "bytes": {}})["bytes"][tier] = nbytes
             corrupt = sum(getattr(t, "corrupt_records", 0) for t in self._tiers.record_tiers.values())
             return {"tiers": tiers, "pages": len(self._index), "corrupt_records": corrupt,
                     "dropped_pages": self._placement.dropped_pages, "policy": self.config.policy,
-                    "models": len(self._registry._models), **self._counters}
+                    "models": len(self._registry._models), "tenants": tenants, **self._counters}

@@ -90,11 +90,13 @@ class TierStack:
                 return tier
         raise AssertionError(f"{node} is in the tree but in no tier")
 
-    def reserve(self, spec: ModelSpec, key: bytes, n: int) -> tuple[str | None, int, torch.Tensor | None]:
-        """Room for a new page in the top tier that has it: (tier, bytes, slot or None)."""
+    def reserve(self, spec: ModelSpec, key: bytes, n: int,
+                namespace: bytes | None = None) -> tuple[str | None, int, torch.Tensor | None]:
+        """Room for a new page of `namespace` (its tenant's quota holds) in the top tier that has
+        it: (tier, bytes, slot or None)."""
         for tier in self.placement.order:
             nbytes = self.size_for(spec, n, tier)
-            if not self.placement.make_room(tier, nbytes):
+            if not self.placement.make_room(tier, nbytes, namespace):
                 continue
             if tier in self.slot_tiers:
                 slot = self.allocate(tier, key, nbytes)
@@ -145,7 +147,7 @@ class TierStack:
         if top in node.tiers or top not in self.slot_tiers or not node.ready:
             return
         nbytes = self.size_in(node, top)
-        if not self.placement.make_room(top, nbytes):
+        if not self.placement.make_room(top, nbytes, node.namespace):
             return
         slot = self.allocate(top, node.key, nbytes)
         if slot is None:

@@ -62,3 +62,48 @@ def test_find_tenant_and_bad_auth_files(tmp_path):
             load_auth_file(str(tmp_path / "auth.json"))
     with pytest.raises(ValueError, match="auth_file: cannot read"):
         load_auth_file(str(tmp_path / "missing.json"))
+
+
+async def test_auth_file_max_bytes_caps_a_tenant(store, tmp_path, spec: ModelSpec):
+    path = tmp_path / "auth.json"
+    path.write_text(json.dumps({"secret-alice-0123456789": {"tenant": "alice", "max_bytes": "8KiB"},
+                                "secret-bob-0123456789": "bob"}))
+    alice, bob = as_("secret-alice-0123456789"), as_("secret-bob-0123456789")
+    async with TestClient(TestServer(create_app(store, ServerConfig(auth_file=str(path))))) as http:
+        for who in (alice, bob):
+            assert (await call(http, "PUT", "/v1/models/m", spec.to_dict(), headers=who))[0] == 201
+        seqs = [[i * 1000 + t for t in range(8)] for i in range(40)]
+        for tokens in seqs[:2]:
+            assert (await call(http, "POST", "/v1/store", {"model": "m", "tokens": tokens, "kv": kv_bin(random_kv(spec, 8))}, headers=bob))[0] == 200
+        for tokens in seqs[2:]:  # alice stores far past 8 KiB
+            assert (await call(http, "POST", "/v1/store", {"model": "m", "tokens": tokens, "kv": kv_bin(random_kv(spec, 8))}, headers=alice))[0] == 200
+        status, stats = await call(http, "GET", "/v1/stats", headers=alice)
+        assert status == 200 and stats["tenants"]["alice"]["max_bytes"] == 8 << 10
+        assert 0 < stats["tenants"]["alice"]["bytes"]["cpu"] <= 8 << 10
+        assert "secret" not in json.dumps(stats)  # tenant names only, never tokens
+        lookup = {"model": "m", "tokens": seqs[-1]}
+        assert (await call(http, "POST", "/v1/lookup", lookup, headers=alice))[1]["tiers"] == {"cpu": 8}
+        lookup = {"model": "m", "tokens": seqs[2]}  # alice's oldest: moved down to disk, still served
+        assert (await call(http, "POST", "/v1/lookup", lookup, headers=alice))[1]["tiers"] == {"disk": 8}
+        for tokens in seqs[:2]:
+            assert (await call(http, "POST", "/v1/lookup", {"model": "m", "tokens": tokens}, headers=bob))[1]["tiers"] == {"cpu": 8}
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"tenant": "a", "max_bytes": "lots"}, "entry 1 \\(tenant 'a'\\): max_bytes"),
+    ({"tenant": "a", "max_bytes": 0}, "entry 1 \\(tenant 'a'\\): max_bytes must be > 0"),
+    ({"max_bytes": "1GiB"}, "entry 1: every token needs a non-empty tenant"),
+    ({"tenant": "a", "quota": "1GiB"}, "entry 1: unknown keys \\['quota'\\]"),
+])
+def test_bad_max_bytes_entries_name_the_entry_not_the_token(tmp_path, entry, message):
+    (tmp_path / "auth.json").write_text(json.dumps({"tok-secret-xyz": entry}))
+    with pytest.raises(ValueError, match=message) as err:
+        load_auth_file(str(tmp_path / "auth.json"))
+    assert "tok-secret-xyz" not in str(err.value)
+
+
+def test_same_tenant_needs_one_max_bytes(tmp_path):
+    (tmp_path / "auth.json").write_text(json.dumps({"t1": {"tenant": "a", "max_bytes": "1GiB"},
+                                                    "t2": {"tenant": "a", "max_bytes": "2GiB"}, "t3": "a"}))
+    with pytest.raises(ValueError, match="entry 2 \\(tenant 'a'\\): max_bytes differs"):
+        load_auth_file(str(tmp_path / "auth.json"))
