@@ -256,18 +256,22 @@ class DiskTier:
                     done.ok = key not in failed
                     done.set()
 
+    def _apply(self, txn: lmdb.Transaction, key: bytes, meta: bytes | None, payload) -> None:
+        """One op in a write transaction: a put of header + payload, or (meta None) a delete."""
+        if meta is None:
+            txn.delete(key, db=self._meta)
+            txn.delete(key, db=self._data)
+        else:
+            txn.put(key, meta, db=self._meta)
+            txn.put(key, payload, db=self._data)
+
     def _commit(self, ops: list) -> set[bytes]:
         """Write one batch; the keys of puts that could not be written."""
         while True:
             try:
                 with self.env.begin(write=True) as txn:
                     for key, meta, payload, _ in ops:
-                        if meta is None:
-                            txn.delete(key, db=self._meta)
-                            txn.delete(key, db=self._data)
-                        else:
-                            txn.put(key, meta, db=self._meta)
-                            txn.put(key, payload, db=self._data)
+                        self._apply(txn, key, meta, payload)
                 return set()
             except lmdb.MapFullError:
                 if self._map_bytes >= self.capacity_bytes:
@@ -283,12 +287,7 @@ class DiskTier:
         for key, meta, payload, _ in ops:
             try:
                 with self.env.begin(write=True) as txn:
-                    if meta is None:
-                        txn.delete(key, db=self._meta)
-                        txn.delete(key, db=self._data)
-                    else:
-                        txn.put(key, meta, db=self._meta)
-                        txn.put(key, payload, db=self._data)
+                    self._apply(txn, key, meta, payload)
             except lmdb.Error:
                 if meta is not None:
                     failed.add(key)

@@ -18,7 +18,7 @@ import torch
 
 from kvstore.codecs import Codec, as_kv
 from kvstore.config import ModelSpec
-from tiers.slots import SlotMap
+from tiers.slots import SlotBufferTier
 
 SLOT_ALIGN_BYTES = 256  # every slot starts 256-byte aligned: 16-byte vector loads in the kernels
 
@@ -42,8 +42,9 @@ def _unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-class GPUTier:
+class GPUTier(SlotBufferTier):
     name = "gpu"
+    align_bytes = SLOT_ALIGN_BYTES
 
     def __init__(self, capacity_bytes: int, *, device: str | int | torch.device = "cuda"):
         if isinstance(device, int):
@@ -56,7 +57,6 @@ class GPUTier:
         if capacity_bytes <= 0:
             raise ValueError(f"gpu_bytes: must be > 0 for a GPU tier, got {capacity_bytes}")
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        self.capacity_bytes = capacity_bytes
         try:
             self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)  # the slots
         except torch.cuda.OutOfMemoryError as exc:
@@ -64,22 +64,10 @@ class GPUTier:
             raise GPUUnavailable(f"gpu_bytes: {capacity_bytes} does not fit on {self.device} "
                                  f"({free} of {total} bytes free)") from exc
         self.stream = torch.cuda.Stream(self.device)  # demotion/promotion copies, off the compute stream
-        self._slots = SlotMap("gpu", capacity_bytes, SLOT_ALIGN_BYTES)
         self._pending: dict[bytes, torch.cuda.Event] = {}  # key -> last copy on self.stream touching it
+        super().__init__(capacity_bytes)
 
-    @property
-    def used_bytes(self) -> int:
-        return self._slots.used_bytes
-
-    @staticmethod
-    def slot_bytes(nbytes: int) -> int:
-        return -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
-
-    # -- slot protocol (tiers.base.SlotTier) ---------------------------------------------------
-    def allocate(self, key: bytes, nbytes: int) -> torch.Tensor:
-        offset = self._slots.allocate(key, nbytes)
-        return self.buffer[offset:offset + nbytes]
-
+    # -- slot protocol (tiers.base.SlotTier): get/delete/close wait on copies in flight --------
     def get(self, key: bytes) -> torch.Tensor | None:
         """The slot's bytes; work queued on the caller's current stream sees a promotion's result."""
         slot = self._slots.get(key)
@@ -91,27 +79,18 @@ class GPUTier:
                 del self._pending[key]
             else:
                 torch.cuda.current_stream(self.device).wait_event(event)  # a GPU-side wait, no host sync
-        offset, size = slot
-        return self.buffer[offset:offset + size]
+        return super().get(key)
 
     def delete(self, key: bytes) -> bool:
-        if key not in self._slots:
-            return False
         event = self._pending.pop(key, None)
         if event is not None:
             event.synchronize()  # a copy still reading/writing the slot must finish before reuse
-        return self._slots.free(key)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._slots
-
-    def __len__(self) -> int:
-        return len(self._slots)
+        return super().delete(key)
 
     def close(self) -> None:
         self.stream.synchronize()
         self._pending.clear()
-        self._slots.clear()
+        super().close()
 
     # -- copies across PCIe, on self.stream ------------------------------------------------------
     def _page(self, key: bytes, spec: ModelSpec, num_tokens: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ Invariant: `used_bytes` is the sum of the sizes of the slots in `_slots`; no two
 """
 from __future__ import annotations
 
+import torch
+
 from tiers.base import TierFull
 
 
@@ -69,3 +71,49 @@ class SlotMap:
         self._free.clear()
         self._end = 0
         self.used_bytes = 0
+
+
+class SlotBufferTier:
+    """The part of a slot tier that is the same on every device: a preallocated uint8 `buffer`
+    carved by a `SlotMap`. Subclasses set `name` and `align_bytes`, allocate `buffer`, and add
+    what their device needs (the GPU tier: stream-ordered copies)."""
+
+    name: str
+    align_bytes: int
+    buffer: torch.Tensor
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self._slots = SlotMap(self.name, capacity_bytes, self.align_bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._slots.used_bytes
+
+    @classmethod
+    def slot_bytes(cls, nbytes: int) -> int:
+        return -(-nbytes // cls.align_bytes) * cls.align_bytes
+
+    def allocate(self, key: bytes, nbytes: int) -> torch.Tensor:
+        """A writable view of `nbytes` for `key`. Raises TierFull."""
+        offset = self._slots.allocate(key, nbytes)
+        return self.buffer[offset:offset + nbytes]
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        offset, size = slot
+        return self.buffer[offset:offset + size]
+
+    def delete(self, key: bytes) -> bool:
+        return self._slots.free(key)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def close(self) -> None:
+        self._slots.clear()
