@@ -9,6 +9,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
+from kvstore.config import check_int
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -29,10 +31,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: expected an address or host name, got {self.host!r}")
-        _check_int("port", self.port, 0, 65535)
-        _check_int("max_body_bytes", self.max_body_bytes, 1024)
-        _check_int("socket_buffer_bytes", self.socket_buffer_bytes, 0)
-        _check_int("executor_threads", self.executor_threads, 1, 1024)
+        check_int("port", self.port, 0, 65535)
+        check_int("max_body_bytes", self.max_body_bytes, 1024)
+        check_int("socket_buffer_bytes", self.socket_buffer_bytes, 0)
+        check_int("executor_threads", self.executor_threads, 1, 1024)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
         if not isinstance(self.insecure, bool):
@@ -41,7 +43,7 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s: must be in [0, 3600], got {self.shutdown_timeout_s!r}")
         if not (isinstance(self.body_timeout_s, (int, float)) and 0 < self.body_timeout_s <= 3600):
             raise ValueError(f"body_timeout_s: must be in (0, 3600], got {self.body_timeout_s!r}")
-        _check_int("max_connections", self.max_connections, 1, 1 << 20)
+        check_int("max_connections", self.max_connections, 1, 1 << 20)
         if self.auth_file is not None and (not isinstance(self.auth_file, str) or not self.auth_file):
             raise ValueError(f"auth_file: expected a path, got {self.auth_file!r}")
 
@@ -62,10 +64,3 @@ def is_loopback(host: str) -> bool:
         return False
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
-
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name}: must be {allowed}, got {value}")

@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
+from kvstore.policies import POLICIES
+
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 ROPE_STYLES = ("neox", "gptj")
 ROPE_SCALING_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope", "default")
@@ -22,7 +24,8 @@ MAX_PAGE_SIZE = 4096
 MIN_DISK_BYTES = 1 << 20  # LMDB's own pages need room beyond the records
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    """A config integer in [lo, hi] (hi None: no upper bound); ValueError names the field."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
@@ -54,10 +57,10 @@ class ModelSpec:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
-        _check_int("num_layers", self.num_layers, 1, 1024)
-        _check_int("num_kv_heads", self.num_kv_heads, 1, 1024)
-        _check_int("head_dim", self.head_dim, 1, 4096)
-        _check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        check_int("num_layers", self.num_layers, 1, 1024)
+        check_int("num_kv_heads", self.num_kv_heads, 1, 1024)
+        check_int("head_dim", self.head_dim, 1, 4096)
+        check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
         _check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
         _check_choice("rope_style", self.rope_style, ROPE_STYLES)
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
@@ -166,17 +169,15 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes"):
-            _check_int(name, getattr(self, name), 0)
+            check_int(name, getattr(self, name), 0)
         if 0 < self.disk_bytes < MIN_DISK_BYTES:
             raise ValueError(f"disk_bytes: must be 0 (no disk tier) or >= {MIN_DISK_BYTES} (1MiB), got {self.disk_bytes}")
         _check_choice("cpu_codec", self.cpu_codec, CODECS)
         _check_choice("disk_codec", self.disk_codec, CODECS)
         _check_choice("disk_compression", self.disk_compression, COMPRESSIONS)
-        _check_int("zstd_level", self.zstd_level, 1, 22)
+        check_int("zstd_level", self.zstd_level, 1, 22)
         _check_choice("durability", self.durability, DURABILITIES)
-        _check_int("disk_writer_queue", self.disk_writer_queue, 1, 1 << 20)
-        from kvstore.policies import POLICIES  # late: policies import config for nothing, but keep one way
-
+        check_int("disk_writer_queue", self.disk_writer_queue, 1, 1 << 20)
         _check_choice("policy", self.policy, tuple(POLICIES))
         if not isinstance(self.promote_on_hit, bool):
             raise ValueError(f"promote_on_hit: expected true or false, got {self.promote_on_hit!r}")
@@ -189,7 +190,7 @@ class StoreConfig:
         if not (isinstance(self.redis_timeout_s, (int, float)) and 0 < self.redis_timeout_s <= 60):
             raise ValueError(f"redis_timeout_s: must be in (0, 60], got {self.redis_timeout_s!r}")
         if self.redis_ttl_s is not None:
-            _check_int("redis_ttl_s", self.redis_ttl_s, 1)
+            check_int("redis_ttl_s", self.redis_ttl_s, 1)
 
     @property
     def tier_names(self) -> tuple[str, ...]:
