@@ -29,7 +29,7 @@ TOKEN_BYTES = 4  # tokens are kept as int32 little-endian bytes
 
 class Node:
     __slots__ = ("key", "parent", "tokens", "children", "by_first", "tiers", "tier_kids", "pins",
-                 "ready", "last_access", "hits", "namespace", "depth", "tail", "__weakref__")
+                 "ready", "last_access", "hits", "namespace", "depth", "tail", "root", "__weakref__")
 
     def __init__(self, key: bytes, parent: "Node | None", tokens: bytes, namespace: bytes):
         self.key = key
@@ -45,6 +45,7 @@ class Node:
         self.hits = 0  # times served by a fetch (policies use it for frequency)
         self.namespace = namespace
         self.depth = 0 if parent is None else parent.depth + 1
+        self.root: Node = self if parent is None else parent.root  # its tree's root, O(1)
         self.tail = False  # a tail page: fewer tokens than a full page, the end of a sequence
 
     @property

@@ -134,12 +134,9 @@ class TierStack:
             assert kv is not None
             payload = torch.empty(codec.encoded_bytes(spec, n), dtype=torch.uint8)
             codec.encode(spec, kv, payload)
-        root = node
-        while root.parent is not None:
-            root = root.parent
         return PageRecord(namespace=node.namespace, key=node.key, parent=node.parent.key,  # type: ignore[union-attr]
                           tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
-                          payload=payload, kind="page" if root.key == node.namespace else "chunk")
+                          payload=payload, kind="page" if node.root.key == node.namespace else "chunk")
 
     def promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> None:
         """Copy a page served by a lower tier into the top tier (under the lock)."""
