@@ -13,10 +13,11 @@ from aiohttp import web
 
 from api.auth import authenticate, load_auth_file
 from api.config import ServerConfig
-from api.context import AUTH, CONFIG, EXECUTOR, STORE
+from api.context import AUTH, CONFIG, EXECUTOR, SHARED_MEMORY, STORE
 from api.metrics import METRICS, Metrics, measure
 from api.middleware import errors
 from api.routes import ROUTES
+from api.shared_memory import SharedMemoryArenas
 
 
 def create_app(store: Any, config: ServerConfig | None = None) -> web.Application:
@@ -32,6 +33,7 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
         store.set_tenant_quota(tenant, max_bytes)
     app[EXECUTOR] = ThreadPoolExecutor(config.executor_threads, thread_name_prefix="kvstore-api")
     app[METRICS] = Metrics(store.stats)
+    app[SHARED_MEMORY] = SharedMemoryArenas(config.shared_memory)
     app.add_routes(ROUTES)
     app.on_cleanup.append(_shutdown_executor)
     return app

@@ -5,33 +5,58 @@ cannot be reached (refused, reset, timed out) is `BackendUnavailable`.
 
 The sync client keeps persistent connections (a small pool, so one client is thread-safe),
 sends a request's head, fields and the tensor's own memory in one scatter-gather syscall and
-reads a fetch's answer into one preallocated buffer that the returned tensor views (api/http1.py). The tenant is the server's business (bearer token), not a per-call argument.
+reads a fetch's answer into one preallocated buffer that the returned tensor views (api/http1.py).
+With a sidecar on the same host the KV itself skips the socket: the client registers a
+shared-memory arena on each connection and stores/fetches name regions of it (one copy each
+way instead of two kernel copies and a user-space one; api/client_arena.py). The tenant is the
+server's business (bearer token), not a per-call argument.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
+import numpy as np
 
 from api import client_codec as codec
 from api.body import read_exact
+from api.client_arena import ClientArena
+from api.config import is_loopback
 from api.http1 import Connection, ProtocolError
 from kvstore.config import ModelSpec
-from kvstore.errors import BackendUnavailable, InvalidRequest
+from kvstore.errors import BackendUnavailable, InvalidRequest, KVStoreError, SharedMemoryRefused
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 
 DEFAULT_URL = "http://127.0.0.1:8100"
+DEFAULT_SHARED_MEMORY_BYTES = 256 << 20  # for a client of a sidecar on its own host
+
+log = logging.getLogger("kvstore.client")
 
 
 class KVStoreClient:
+    """`shared_memory_bytes`: size of the client's shared-memory arena (api/client_arena.py),
+    through which a sidecar on the same host moves KV instead of the socket. None: 256 MiB when
+    the URL's host is a loopback address, else 0 (off). It is switched off, with one warning, if
+    the sidecar refuses it (another host or user, or `--no-shared-memory`)."""
+
     def __init__(self, url: str = DEFAULT_URL, *, token: str | None = None, timeout_s: float = 30.0,
-                 socket_buffer_bytes: int = 4 << 20):
+                 socket_buffer_bytes: int = 4 << 20, shared_memory_bytes: int | None = None):
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"url: expected http://host:port, got {url!r}")
+        if shared_memory_bytes is None:
+            shared_memory_bytes = DEFAULT_SHARED_MEMORY_BYTES if is_loopback(parts.hostname) else 0
+        if isinstance(shared_memory_bytes, bool) or not isinstance(shared_memory_bytes, int) or shared_memory_bytes < 0:
+            raise ValueError(f"shared_memory_bytes: expected an int >= 0 (0: off), got {shared_memory_bytes!r}")
+        self._shm_bytes = shared_memory_bytes
+        self._arena: ClientArena | None = None
+        self._arena_pid = os.getpid()
+        self._bytes_per_token: dict[str, int] = {}  # learned from answers: sizes fetch regions
         self.url = url.rstrip("/")
         self._host, self._port = parts.hostname, parts.port or 80
         self._timeout_s = timeout_s
@@ -63,16 +88,39 @@ class KVStoreClient:
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
               device: str = "cpu") -> FetchResult:
         codec.check_tenant(tenant)
-        return codec.fetch_result(self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start)]), device)
+        arena, per_token = self._shared_memory(), self._bytes_per_token.get(model)
+        sized = per_token and isinstance(start, int) and hasattr(tokens, "__len__")
+        wanted = (len(tokens) - start) * per_token if sized else 0
+        offset = arena.allocate(wanted) if arena is not None and wanted > 0 else None
+        if offset is not None:  # the answer is written into our shared memory (api/shared_memory.py)
+            assert arena is not None
+            try:
+                obj = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start, shm=(offset, wanted))])
+            except SharedMemoryRefused as exc:
+                arena.release(offset, wanted)
+                self._shared_memory_off(exc)
+            except BaseException:
+                arena.release(offset, wanted)
+                raise
+            else:
+                placed = obj.get("shm")
+                if placed is None:  # it did not fit (the model changed?): the KV came in the body
+                    arena.release(offset, wanted)
+                    return self._fetch_result(model, obj, device)
+                if placed.get("offset") != offset or not 0 <= placed.get("nbytes", -1) <= wanted:
+                    arena.release(offset, wanted)
+                    raise BackendUnavailable(f"{self.url}: fetch answered shm {placed!r}, asked for ({offset}, {wanted})")
+                return self._fetch_result(model, obj, device, raw=arena.adopt(offset, wanted, placed["nbytes"]))
+        return self._fetch_result(model, self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start)]), device)
 
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
               tenant: str | None = None) -> StoreResult:
         codec.check_tenant(tenant)
-        return codec.store_result(self._call("POST", "/v1/store", codec.store_parts(model, tokens, kv, start)))
+        return self._store("/v1/store", model, tokens, kv, start)
 
     def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None) -> StoreResult:
         codec.check_tenant(tenant)
-        return codec.store_result(self._call("POST", "/v1/chunks/store", codec.store_parts(model, tokens, kv)))
+        return self._store("/v1/chunks/store", model, tokens, kv, 0)
 
     def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
               tenant: str | None = None, device: str = "cpu") -> BlendResult:
@@ -88,8 +136,11 @@ class KVStoreClient:
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
+            arena, self._arena = self._arena, None
         for conn in idle:
             conn.close()
+        if arena is not None:
+            arena.close()
 
     def __enter__(self) -> "KVStoreClient":
         return self
@@ -97,12 +148,70 @@ class KVStoreClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---- shared memory ----------------------------------------------------------------------
+
+    def _store(self, path: str, model: str, tokens: Sequence[int], kv: Any, start: int) -> StoreResult:
+        arena = self._shared_memory()
+        if arena is not None:
+            raw, dtype = codec.kv_bytes(kv)
+            offset = arena.allocate(raw.nbytes) if raw.nbytes else None
+            if offset is not None:  # one copy into our shared memory; the sidecar copies it into its tier
+                try:
+                    np.copyto(arena.view(offset, raw.nbytes), np.frombuffer(raw, dtype=np.uint8))
+                    body = codec.store_shm_body(model, tokens, dtype, start, (offset, raw.nbytes))
+                    return codec.store_result(self._call("POST", path, [body]))
+                except SharedMemoryRefused as exc:
+                    self._shared_memory_off(exc)
+                finally:
+                    arena.release(offset, raw.nbytes)
+        return codec.store_result(self._call("POST", path, codec.store_parts(model, tokens, kv, start)))
+
+    def _fetch_result(self, model: str, obj: dict[str, Any], device: str, raw: Any = None) -> FetchResult:
+        per_token = codec.bytes_per_token(obj)
+        if per_token:
+            self._bytes_per_token[model] = per_token
+        return codec.fetch_result(obj, device, raw)
+
+    def _shared_memory(self) -> ClientArena | None:
+        """The arena, made on first use; None when off. A forked child never uses its parent's
+        arena (both would hand out the same regions)."""
+        if not self._shm_bytes or os.getpid() != self._arena_pid:
+            return None
+        if self._arena is None:
+            with self._lock:
+                if self._arena is None:
+                    try:
+                        self._arena = ClientArena(self._shm_bytes)
+                    except OSError as exc:
+                        self._shm_bytes = 0
+                        log.warning("kvstore client: no shared memory (%s); KV goes through the socket", exc)
+                        return None
+        return self._arena
+
+    def _shared_memory_off(self, reason: Exception) -> None:
+        if self._shm_bytes:
+            self._shm_bytes = 0
+            log.warning("kvstore client: %s refused shared memory (%s); KV goes through the socket", self.url, reason)
+
+    def _register(self, conn: Connection) -> None:
+        """Register the arena on a new connection (POST /v1/shm); a refusal switches it off."""
+        arena = self._shared_memory()
+        if arena is None:
+            return
+        body = codec.small_body(arena.registration())
+        try:
+            codec.decode(*conn.request(self._head("POST", "/v1/shm", len(body)), [body]))
+        except KVStoreError as exc:  # refused, or a sidecar without /v1/shm (404)
+            self._shared_memory_off(exc)
+
     # ---- transport --------------------------------------------------------------------------
+
+    def _head(self, method: str, path: str, length: int) -> bytes:
+        return f"{method} {path} HTTP/1.1\r\n{self._head_lines}Content-Length: {length}\r\n\r\n".encode()
 
     def _call(self, method: str, path: str, parts: codec.Parts | None = None) -> Any:
         parts = parts or []
-        length = sum(memoryview(p).nbytes for p in parts)
-        head = f"{method} {path} HTTP/1.1\r\n{self._head_lines}Content-Length: {length}\r\n\r\n".encode()
+        head = self._head(method, path, sum(memoryview(p).nbytes for p in parts))
         conn = None
         try:
             conn = self._take()
@@ -130,8 +239,10 @@ class KVStoreClient:
         return self._new()
 
     def _new(self) -> Connection:
-        return Connection(self._host, self._port, timeout_s=self._timeout_s,
+        conn = Connection(self._host, self._port, timeout_s=self._timeout_s,
                           socket_buffer_bytes=self._socket_buffer_bytes)
+        self._register(conn)
+        return conn
 
     def _give(self, conn: Connection) -> None:
         if conn.closed:

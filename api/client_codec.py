@@ -61,11 +61,30 @@ def small_body(fields: dict[str, Any]) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def tokens_body(model: str, tokens: Any, start: int | None = None) -> bytes:
+def tokens_body(model: str, tokens: Any, start: int | None = None, shm: tuple[int, int] | None = None) -> bytes:
     fields: dict[str, Any] = {"model": model, "tokens": tokens_bin(tokens)}
     if start:
         fields["start"] = start
+    if shm is not None:  # (offset, nbytes) of the client's shared memory to answer into
+        fields["shm"] = {"offset": shm[0], "nbytes": shm[1]}
     return small_body(fields)
+
+
+def store_shm_body(model: str, tokens: Any, dtype: str, start: int, shm: tuple[int, int]) -> bytes:
+    """A store whose KV is already at `shm` = (offset, nbytes) of the client's shared memory."""
+    fields: dict[str, Any] = {"model": model, "tokens": tokens_bin(tokens), "dtype": dtype,
+                              "shm": {"offset": shm[0], "nbytes": shm[1]}}
+    if start:
+        fields["start"] = start
+    return small_body(fields)
+
+
+def bytes_per_token(obj: dict[str, Any]) -> int | None:
+    """KV bytes per token of a fetch answer's model (from its dtype and shape), None without KV."""
+    shape, dtype = obj.get("shape"), TORCH_DTYPES.get(obj.get("dtype", ""))
+    if not shape or dtype is None or len(shape) != 5 or not shape[2]:
+        return None
+    return shape[0] * shape[1] * shape[3] * shape[4] * torch.empty(0, dtype=dtype).element_size()
 
 
 def store_parts(model: str, tokens: Any, kv: Any, start: int = 0) -> Parts:
@@ -116,13 +135,17 @@ def store_result(obj: dict[str, Any]) -> StoreResult:
     return StoreResult(stored_tokens=obj["stored_tokens"], new_pages=obj["new_pages"])
 
 
-def fetch_result(obj: dict[str, Any], device: str = "cpu") -> FetchResult:
-    raw = obj.get("kv")
+def fetch_result(obj: dict[str, Any], device: str = "cpu", raw: Any = None) -> FetchResult:
+    """`raw`: the answer's KV bytes when they came another way than the body (shared memory)."""
+    raw = obj.get("kv") if raw is None else raw
     if raw is None:
         return FetchResult(matched_tokens=obj["matched_tokens"], kv=None)
     dtype, shape = TORCH_DTYPES[obj["dtype"]], tuple(obj["shape"])
     # A view of the response buffer: the one copy of the fetch path was the socket read.
-    kv = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
+    if isinstance(raw, torch.Tensor):  # uint8 over shared memory (api/client_arena.py)
+        kv = raw.view(dtype)
+    else:
+        kv = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
     kv = kv.view(shape)  # (L, 2, T, H, D)
     return FetchResult(matched_tokens=obj["matched_tokens"], kv=kv if device == "cpu" else kv.to(device))
 

@@ -13,12 +13,14 @@ from typing import Any, Callable, TypeVar
 from aiohttp import web
 
 from api.config import ServerConfig
+from api.shared_memory import SharedMemoryArenas
 
 T = TypeVar("T")
 
 STORE: web.AppKey[Any] = web.AppKey("store", object)  # a KVStore (kept Any: store.py imports torch, lmdb)
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
 EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("executor", ThreadPoolExecutor)
+SHARED_MEMORY: web.AppKey[SharedMemoryArenas] = web.AppKey("shared_memory", SharedMemoryArenas)
 AUTH: web.AppKey[dict[bytes, str]] = web.AppKey("auth", dict)  # bearer token -> tenant; empty = no auth
 # Request key: the tenant of the bearer token (absent without auth). RequestKey is aiohttp >= 3.13.
 TENANT: Any = web.RequestKey("tenant", str) if hasattr(web, "RequestKey") else "kvstore.tenant"

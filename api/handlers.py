@@ -10,7 +10,7 @@ from dataclasses import asdict
 from aiohttp import web
 
 from api import wire
-from api.context import CONFIG, STORE, run_blocking, tenant_of
+from api.context import CONFIG, SHARED_MEMORY, STORE, run_blocking, tenant_of
 from api.metrics import METRICS
 from api.openapi import openapi_document
 
@@ -58,11 +58,27 @@ async def delete_model(request: web.Request) -> web.Response:
     return wire.respond(request, {"dropped_pages": dropped})
 
 
+async def attach_shared_memory(request: web.Request) -> web.Response:
+    registration = wire.shm_registration(await _body(request))
+    arena = await run_blocking(request, request.app[SHARED_MEMORY].attach, request.transport, registration)
+    return wire.respond(request, {"nbytes": arena.nbytes})
+
+
+def _shm_kv(request: web.Request, req: wire.TokensRequest) -> memoryview:
+    """The request's shared-memory region as bytes (the kv of a store)."""
+    offset, nbytes = req.shm  # type: ignore[misc]
+    return memoryview(request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm").numpy())
+
+
 async def lookup(request: web.Request) -> web.Response:
     req = wire.lookup_request(await _body(request))
-    # On the loop: a lookup only walks the in-memory index (no tier I/O, no copies), and a thread
-    # hop would cost more than the lookup itself.
-    result = request.app[STORE].lookup(req.model, req.tokens, tenant=tenant_of(request))
+    kvstore, tenant = request.app[STORE], tenant_of(request)
+    # On the loop unless Redis may be probed: a lookup only walks the in-memory index (no copies),
+    # and a thread hop would cost more than the lookup itself.
+    if kvstore.has_shared_tier:
+        result = await run_blocking(request, kvstore.lookup, req.model, req.tokens, tenant=tenant)
+    else:
+        result = kvstore.lookup(req.model, req.tokens, tenant=tenant)
     return wire.respond(request, asdict(result))
 
 
@@ -70,9 +86,11 @@ async def store(request: web.Request) -> web.Response:
     req = wire.store_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
+    raw = _shm_kv(request, req) if req.shm else req.kv
+
     def put() -> dict:
         spec = kvstore.get_spec(req.model, tenant=tenant)
-        kv = wire.kv_tensor(req.kv, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
+        kv = wire.kv_tensor(raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
         return asdict(kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant))
 
     return wire.respond(request, await run_blocking(request, put))
@@ -82,12 +100,25 @@ async def fetch(request: web.Request) -> web.StreamResponse:
     req = wire.fetch_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
-    def get() -> tuple[dict, object]:
-        result = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant)
-        fields, raw = wire.kv_payload(result.kv)
-        return {"matched_tokens": result.matched_tokens, **fields}, raw
+    into = None
+    if req.shm:
+        offset, nbytes = req.shm
+        into = request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm")
 
-    fields, raw = await run_blocking(request, get)
+    def get() -> tuple[dict, object]:
+        result = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+        fields, raw = wire.kv_payload(result.kv)
+        fields = {"matched_tokens": result.matched_tokens, **fields}
+        if into is not None and raw is not None and raw.nbytes and result.kv.data_ptr() == into.data_ptr():
+            return {**fields, "shm": {"offset": req.shm[0], "nbytes": raw.nbytes}}, None  # already in place
+        return fields, raw
+
+    # No I/O and a small copy: cheaper here than the hop to a pool thread and back.
+    limit = request.app[CONFIG].inline_fetch_bytes
+    in_memory = kvstore.in_memory_bytes(req.model, req.tokens, start=req.start, tenant=tenant) if limit else None
+    fields, raw = get() if in_memory is not None and in_memory <= limit else await run_blocking(request, get)
+    if "shm" in fields:
+        return wire.respond(request, fields)
     return await wire.respond_kv(request, fields, raw)
 
 
@@ -95,9 +126,11 @@ async def store_chunk(request: web.Request) -> web.Response:
     req = wire.chunk_store_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
+    raw = _shm_kv(request, req) if req.shm else req.kv
+
     def put() -> dict:
         spec = kvstore.get_spec(req.model, tenant=tenant)
-        kv = wire.kv_tensor(req.kv, spec, len(req.tokens), req.dtype)  # (L, 2, T, H, D)
+        kv = wire.kv_tensor(raw, spec, len(req.tokens), req.dtype)  # (L, 2, T, H, D)
         return asdict(kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant))
 
     return wire.respond(request, await run_blocking(request, put))

@@ -17,6 +17,7 @@ ROUTES: list[web.RouteDef] = [
     web.put("/v1/models/{model:.+}", handlers.put_model),
     web.get("/v1/models/{model:.+}", handlers.get_model, allow_head=False),
     web.delete("/v1/models/{model:.+}", handlers.delete_model),
+    web.post("/v1/shm", handlers.attach_shared_memory),
     web.post("/v1/lookup", handlers.lookup),
     web.post("/v1/store", handlers.store),
     web.post("/v1/fetch", handlers.fetch),

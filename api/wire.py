@@ -26,6 +26,7 @@ from aiohttp import web
 
 from api.body import read_exact, read_limited
 from api.framing import FramingError, pack_map_prefix, unpack_map
+from api.shared_memory import Registration
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import (InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens,
@@ -44,6 +45,7 @@ class TokensRequest:
     model: str
     tokens: Any  # list[int] or a 1-D int32 ndarray viewing the body
     start: int = 0
+    shm: tuple[int, int] | None = None  # (offset, nbytes) of the connection's shared memory (api/shared_memory.py)
 
 
 @dataclass(frozen=True)
@@ -149,26 +151,51 @@ def lookup_request(body: dict[str, Any]) -> TokensRequest:
 
 
 def fetch_request(body: dict[str, Any]) -> TokensRequest:
-    check_fields(body, ("model", "tokens"), ("start",))
+    check_fields(body, ("model", "tokens"), ("start", "shm"))
     toks = tokens(body["tokens"])
-    return TokensRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)))
+    return TokensRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), shm_region(body.get("shm")))
 
 
 def store_request(body: dict[str, Any]) -> StoreRequest:
-    check_fields(body, ("model", "tokens", "kv"), ("start", "dtype"))
+    check_fields(body, ("model", "tokens"), ("kv", "shm", "start", "dtype"))
     toks = tokens(body["tokens"])
-    kv = body["kv"]
+    region = shm_region(body.get("shm"))
+    if ("kv" in body) == (region is not None):
+        raise InvalidKV("kv: give exactly one of kv (the bytes) or shm (where they are in shared memory)", field="kv")
+    kv = body.get("kv", memoryview(b""))
     if not isinstance(kv, memoryview):
         raise InvalidKV(f"kv: expected a bin of the (L, 2, T, H, D) tensor, got {_show(kv)}", field="kv")
     dtype = body.get("dtype")
     if dtype is not None and dtype not in TORCH_DTYPES:
         raise InvalidKV(f"dtype: must be one of {', '.join(TORCH_DTYPES)}, got {_show(dtype)}", field="dtype")
-    return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), kv, dtype)
+    return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), region, kv, dtype)
 
 
 def chunk_store_request(body: dict[str, Any]) -> StoreRequest:
-    check_fields(body, ("model", "tokens", "kv"), ("dtype",))
+    check_fields(body, ("model", "tokens"), ("kv", "shm", "dtype"))
     return store_request(body)
+
+
+def shm_region(value: Any) -> tuple[int, int] | None:
+    """`shm` of a fetch or store: {"offset": int, "nbytes": int} in the connection's shared memory."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"offset", "nbytes"}:
+        raise InvalidRequest(f"shm: expected a map with exactly offset and nbytes, got {_show(value)}", field="shm")
+    for name in ("offset", "nbytes"):
+        v = value[name]
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 40:
+            raise InvalidRequest(f"shm.{name}: expected an int in [0, 2**40), got {_show(v)}", field="shm")
+    return value["offset"], value["nbytes"]
+
+
+def shm_registration(body: dict[str, Any]) -> Registration:
+    check_fields(body, ("pid", "fd", "nbytes", "secret"))
+    try:
+        return Registration(body["pid"], body["fd"], body["nbytes"], body["secret"])
+    except (ValueError, TypeError) as exc:
+        field = str(exc).split(":", 1)[0] if ":" in str(exc) else "shm"
+        raise InvalidRequest(f"{exc}", field=field) from None
 
 
 def blend_request(body: dict[str, Any]) -> BlendRequest:

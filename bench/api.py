@@ -6,7 +6,9 @@ bytes against a local redis-server, in one run (DESIGN §8).
 Starts `kvstore serve` (CPU tier only, so both sides are in-memory) and `redis-server` (the
 Redis column is skipped, with a note, when none is installed) on free loopback ports. For each
 value size (64 KiB, 2 MiB) and client count (1, 8 threads, one connection each): store/SET and
-fetch/GET throughput (MB/s, 10^6 bytes) and p50/p99 latency. Also measures the raw loopback
+fetch/GET throughput (MB/s, 10^6 bytes) and p50/p99 latency, for the client's two transports:
+`shm` (its default on loopback: KV through shared memory, api/client_arena.py) and `tcp` (KV
+in the HTTP bodies, as for a sidecar on another host). Also measures the raw loopback
 TCP throughput of the machine: the ceiling for both.
 
 Each store writes new pages (distinct tokens), as each SET writes a value; fetches read
@@ -121,7 +123,11 @@ def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float, seq: list[int],
-                  warm: list[bool]) -> list[Cell]:
+                  warm: list[bool], transport: str) -> list[Cell]:
+    """`transport`: "shm" (the client's default on loopback: KV through shared memory) or "tcp"
+    (shared memory off: KV in the HTTP bodies)."""
+    system = "sidecar" if transport == "shm" else "sidecar-tcp"
+    shm_bytes = None if transport == "shm" else 0
     tokens_per_value = nbytes // SPEC.bytes_per_token
     kv = torch.randn(SPEC.kv_shape(tokens_per_value)).half()  # (L, 2, T, H, D)
     model = f"bench-{size}"
@@ -143,7 +149,7 @@ def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float
                 admin.store(model, prestored[-1], kv)
 
     def store_op(c: int) -> Callable[[int], None]:
-        client = KVStoreClient(url)
+        client = KVStoreClient(url, shared_memory_bytes=shm_bytes)
 
         def op(i: int) -> None:
             with lock:  # distinct tokens per store: every call writes new pages
@@ -153,7 +159,7 @@ def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float
         return op
 
     def fetch_op(c: int) -> Callable[[int], None]:
-        client = KVStoreClient(url)
+        client = KVStoreClient(url, shared_memory_bytes=shm_bytes)
         toks = [np.array(t, dtype=np.int32) for t in prestored]
 
         def op(i: int) -> None:
@@ -162,9 +168,9 @@ def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float
         return op
 
     lock = threading.Lock()
-    stored = summarize("sidecar", "store", size, clients, nbytes, run_clients(clients, seconds, nbytes, store_op))
+    stored = summarize(system, "store", size, clients, nbytes, run_clients(clients, seconds, nbytes, store_op))
     prestore()
-    return [stored, summarize("sidecar", "fetch", size, clients, nbytes, run_clients(clients, seconds, nbytes, fetch_op))]
+    return [stored, summarize(system, "fetch", size, clients, nbytes, run_clients(clients, seconds, nbytes, fetch_op))]
 
 
 # ---- redis -----------------------------------------------------------------------------------
@@ -247,17 +253,18 @@ def loopback_mb_per_s(seconds: float = 1.0, block: int = 2 << 20) -> float:
 def table(cells: list[Cell], loopback: float, redis_note: str | None) -> str:
     by = {(c.system, c.op, c.size, c.clients): c for c in cells}
     lines = [f"loopback TCP, one stream: {loopback:,.0f} MB/s" + (f"   ({redis_note})" if redis_note else ""),
-             "| value | clients | op | sidecar MB/s | p50 ms | p99 ms | redis-py MB/s | p50 ms | p99 ms | ratio | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| value | clients | op | transport | sidecar MB/s | p50 ms | p99 ms | redis-py MB/s | p50 ms | p99 ms | ratio | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (system, op, size, clients), c in by.items():
-        if system != "sidecar":
+        if not system.startswith("sidecar"):
             continue
+        transport = "tcp" if system == "sidecar-tcp" else "shm"
         r = by.get(("redis", op, size, clients))
         target = TARGETS.get((size, op))
         ratio = c.mb_per_s / r.mb_per_s if r else None
         verdict = "" if target is None or ratio is None else (f">= {target} {'ok' if ratio >= target else 'MISS'}")
         rcols = f"{r.mb_per_s:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f}" if r else "- | - | -"
-        lines.append(f"| {size} | {clients} | {op} | {c.mb_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} | {rcols} | "
+        lines.append(f"| {size} | {clients} | {op} | {transport} | {c.mb_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} | {rcols} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} | {verdict} |")
     return "\n".join(lines)
 
@@ -267,11 +274,16 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="per cell")
     parser.add_argument("--clients", default="1,8")
     parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--transports", default="shm,tcp",
+                        help="sidecar transports: shm (shared memory, the loopback default) and/or tcp")
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     sizes = args.sizes.split(",")
+    transports = args.transports.split(",")
+    if not set(transports) <= {"shm", "tcp"}:
+        parser.error(f"--transports: expected shm and/or tcp, got {args.transports!r}")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:
         tmp = Path(tmpdir)
         sidecar, url = start_sidecar(tmp)
@@ -286,7 +298,8 @@ def main() -> int:
             with tqdm(total=len(sizes) * len(clients), desc="bench/api", unit="config") as bar:
                 for size in sizes:
                     for n in clients:
-                        cells += sidecar_cells(url, size, SIZES[size], n, args.seconds, seq, warm)
+                        for transport in transports:
+                            cells += sidecar_cells(url, size, SIZES[size], n, args.seconds, seq, warm, transport)
                         if redis_proc is not None:
                             cells += redis_cells(redis_proc[1], size, SIZES[size], n, args.seconds)
                         bar.update()

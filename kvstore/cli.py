@@ -32,6 +32,8 @@ HELP = {
     "auth_file": 'JSON {"<bearer token>": "<tenant>" or {"tenant": ..., "max_bytes": "2GiB"}}; enables auth on /v1/*',
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "insecure": "allow a non-loopback bind without --auth-file",
+    "shared_memory": "let clients on this host move KV through shared memory instead of the socket",
+    "inline_fetch_bytes": "fetches up to this size served from memory run on the event loop (0: never)",
 }
 
 

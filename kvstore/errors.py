@@ -54,6 +54,14 @@ class Unauthorized(KVStoreError):
     status = 401
 
 
+class SharedMemoryRefused(KVStoreError):
+    """The sidecar will not use the shared memory a client named (disabled, another host or
+    user, not a sealed memfd, wrong secret, or none registered on this connection)."""
+
+    code = "shared_memory_refused"
+    status = 403
+
+
 class ModelNotFound(KVStoreError):
     code = "model_not_found"
     status = 404

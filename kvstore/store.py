@@ -37,7 +37,7 @@ from kvstore.registry import Model, ModelRegistry
 from kvstore.rerotate import check_rerotatable, rerotate_into
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.tier_stack import TierStack
-from kvstore.validation import (check_chunks, check_device, check_kv, check_model_name, check_start,
+from kvstore.validation import (check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
                                 check_start_pos, token_bytes)
 from tiers.base import PageRecord
 
@@ -161,18 +161,45 @@ class KVStore:
             self._counters["lookup_hit_tokens"] += done
             return LookupResult(done, tiers)
 
+    @property
+    def has_shared_tier(self) -> bool:
+        """True with a Redis tier: lookup and fetch may then do network I/O (probing Redis)."""
+        return "redis" in self._tiers.record_tiers
+
+    def in_memory_bytes(self, model: str, tokens: Sequence[int], *, start: int = 0,
+                        tenant: str | None = None) -> int | None:
+        """Bytes of KV a fetch would return now if every page it would read is in a memory tier
+        (gpu, cpu); None if it would read the disk or probe Redis. An index walk, no I/O: the
+        sidecar runs small in-memory fetches on its event loop, where a thread hop costs more
+        than the copy. Raises what fetch raises for the same arguments."""
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        n_tokens = len(tb) // TOKEN_BYTES
+        start = check_start(start, n_tokens)
+        with self._lock:
+            match = self._index.match(entry.namespace, tb, entry.spec.page_size)
+            if self.has_shared_tier and match.matched_tokens < n_tokens:
+                return None  # the fetch would probe Redis for the rest
+            if any(self._tiers.source_tier(node) not in self._tiers.slot_tiers for node in match.path):
+                return None
+            return max(0, match.matched_tokens - start) * entry.spec.bytes_per_token
+
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-              device: str = "cpu") -> FetchResult:
-        """KV of the longest cached prefix: `kv` covers tokens[start:matched_tokens]."""
+              device: str = "cpu", into: torch.Tensor | None = None) -> FetchResult:
+        """KV of the longest cached prefix: `kv` covers tokens[start:matched_tokens].
+
+        `into`: a flat uint8 CPU tensor the answer is written into (then `kv` views its first
+        bytes) when it is large enough; a fresh tensor otherwise. The sidecar passes a region of
+        a client's shared memory here, an engine its own staging buffer."""
         entry = self._model(model, tenant)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
         dev = check_device(device)
-        return self._fetch(entry.namespace, entry.spec, tb, start, dev)
+        return self._fetch(entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
 
     def _fetch(self, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
-               *, count: bool = True) -> FetchResult:
+               *, count: bool = True, into: torch.Tensor | None = None) -> FetchResult:
         self._probe_shared(root_key, spec, tb)
         with self._lock:
             self._drain_lost_copies()
@@ -198,7 +225,11 @@ class KVStore:
                     reads.append((node, offset, used, tier, slot))
                 offset += used
         shape, dtype = spec.kv_shape(match.matched_tokens - start), TORCH_DTYPES[spec.dtype]
-        out = empty_host(shape, dtype) if dev.type == "cpu" else torch.empty(shape, dtype=dtype, device=dev)  # (L, 2, T, H, D)
+        nbytes = (match.matched_tokens - start) * spec.bytes_per_token
+        if into is not None and into.numel() >= nbytes:
+            out = into[:nbytes].view(dtype).view(shape)  # (L, 2, T, H, D)
+        else:
+            out = empty_host(shape, dtype) if dev.type == "cpu" else torch.empty(shape, dtype=dtype, device=dev)
         matched = match.matched_tokens
         promote: list[tuple[Node, torch.Tensor]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read

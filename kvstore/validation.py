@@ -96,6 +96,24 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
+def check_into(into: Any, dev: torch.device) -> torch.Tensor | None:
+    """`into` of a fetch: None, or a flat, contiguous uint8 tensor on the answer's device (CPU)."""
+    if into is None:
+        return None
+    if not (isinstance(into, torch.Tensor) and into.dtype == torch.uint8 and into.dim() == 1 and into.is_contiguous()):
+        raise InvalidRequest(f"into: expected a flat contiguous uint8 tensor, got {_describe(into)}", field="into")
+    if into.device != dev or dev.type != "cpu":
+        raise InvalidRequest(f"into: must be on the answer's device, and that must be the CPU (into on {into.device}, "
+                             f"device={dev})", field="into")
+    return into
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}{'' if value.is_contiguous() else ' (strided)'}"
+    return type(value).__name__
+
+
 MAX_CHUNKS = 4096  # per blend: each is a lookup of its own; more is a request to refuse, not to serve slowly
 
 

@@ -1,0 +1,111 @@
+"""The client's half of same-host shared memory (the sidecar's half: api/shared_memory.py).
+
+One `ClientArena` per `KVStoreClient`: a memfd of `nbytes`, sealed so it can neither shrink nor
+grow, whose first 32 bytes hold a random secret. Each of the client's connections registers it
+with the sidecar once (POST /v1/shm). After that a store copies its KV into a region and sends
+the region's place instead of the bytes; a fetch names a free region and the sidecar writes the
+answer there.
+
+Regions are handed out first-fit from a sorted free list (lowest offset first, so a steady
+workload keeps reusing the same, already-faulted pages). Invariants of the free list:
+  - `_free` holds disjoint (offset, nbytes) runs sorted by offset, never two adjacent runs (they
+    are merged on release), all inside [HEADER_BYTES, nbytes);
+  - every byte of the usable range is either in one free run or in exactly one live region.
+
+A fetch answer stays in its region for as long as the tensor viewing it lives: the region goes
+back to the free list when the last view of it is garbage (a finalizer on the numpy array the
+tensor was built from). A tensor kept forever therefore keeps its region; when no free run is
+large enough the client simply uses the socket for that call.
+"""
+from __future__ import annotations
+
+import bisect
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from api.shared_memory import HEADER_BYTES, SECRET_BYTES
+
+ALIGN_BYTES = 4096  # regions start on page boundaries: copies into them stay aligned
+
+
+class ClientArena:
+    def __init__(self, nbytes: int):
+        if nbytes < HEADER_BYTES + ALIGN_BYTES:
+            raise ValueError(f"shared_memory_bytes: must be 0 (off) or >= {HEADER_BYTES + ALIGN_BYTES}, got {nbytes}")
+        self.nbytes = nbytes
+        self.fd = os.memfd_create("kvstore-client", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._map = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        self._map[:SECRET_BYTES] = self.secret
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(HEADER_BYTES, nbytes - HEADER_BYTES)]
+
+    def registration(self) -> dict[str, object]:
+        """The body of POST /v1/shm."""
+        return {"pid": os.getpid(), "fd": self.fd, "nbytes": self.nbytes, "secret": self.secret}
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a free region of `nbytes` (rounded up to ALIGN_BYTES), or None if none fits."""
+        size = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        with self._lock:
+            for i, (offset, run) in enumerate(self._free):
+                if run >= size:
+                    if run == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (offset + size, run - size)
+                    return offset
+        return None
+
+    def release(self, offset: int, nbytes: int) -> None:
+        size = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        with self._lock:
+            i = bisect.bisect(self._free, (offset, 0))
+            if i < len(self._free) and offset + size == self._free[i][0]:  # merge with the next run
+                size += self._free.pop(i)[1]
+            if i and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # and with the previous one
+                offset, size = self._free[i - 1][0], self._free[i - 1][1] + size
+                i -= 1
+                del self._free[i]
+            self._free.insert(i, (offset, size))
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(run for _, run in self._free)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Bytes [offset, offset + nbytes) as a uint8 array viewing the shared memory."""
+        return self._array[offset:offset + nbytes]
+
+    def adopt(self, offset: int, allocated: int, nbytes: int) -> torch.Tensor:
+        """A tensor over the first `nbytes` of a region allocated with `allocated` bytes; the
+        region is released when the last view of that tensor is gone."""
+        array = self._array[offset:offset + nbytes]  # a fresh array object: only this tensor holds it
+        weakref.finalize(array, self.release, offset, allocated)
+        return torch.from_numpy(array)
+
+    def close(self) -> None:
+        """Unmap and close the memfd; the sidecar's mappings keep the memory until it drops them.
+        Tensors still viewing the arena keep the mapping alive (it is unmapped when they die)."""
+        try:
+            self._array = np.empty(0, dtype=np.uint8)
+            self._map.close()
+        except BufferError:  # tensors still view it: the mapping lives until they are gone
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
