@@ -5,8 +5,10 @@ share (DESIGN §5). It is the bottom tier; the store decides what goes here and 
   blake2b from the namespace). Value: one record, tiers/redis_record.py (the disk format: header
   with token ids and a checksum, payload optionally zstd), so a corrupt or foreign value is a miss,
   deleted and counted.
-- Reads (`get_many`, `probe`) are pipelined GET / EXISTS, one round trip per batch; writes and
-  deletes go through a write-behind thread (tiers/redis_writer.py) that pipelines them.
+- Reads (`get_many`, `read_ahead`, `probe`) are pipelined GET / EXISTS, one round trip per batch;
+  GET replies are received straight into one buffer per value (tiers/redis_reader.py, not
+  redis-py's parser) and the record is decoded from there. Writes and deletes go through a
+  write-behind thread (tiers/redis_writer.py) that pipelines them.
 - Capacity is Redis' own: run it with a `maxmemory` and an evicting `maxmemory-policy`
   (allkeys-lru); a page Redis evicted (or whose `redis_ttl_s` ran out) is simply a miss, reported
   through `take_failed()` so the store forgets that copy. The tier never evicts by itself.
@@ -21,19 +23,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import torch
 import zstandard
 
 from kvstore.config import StoreConfig
 from tiers.base import PageRecord
 from tiers.disk_record import CorruptRecord
 from tiers.redis_conn import FAULTS, LOG_EVERY_S, Breaker, is_cluster_url, make_client
+from tiers.redis_reader import pipelined_gets
 from tiers.redis_record import decode_value, decode_value_header, encode_value
 from tiers.redis_writer import DELETED, Op, WriteBehind
 
@@ -45,7 +47,7 @@ PROBE_FIRST_BATCH = 8  # EXISTS per round trip: a cold prompt costs one small ba
 PROBE_MAX_BATCH = 512  # ... a long hit doubles it up to this
 HEADER_READ_BYTES = 1 << 16  # scan reads this much of a value to parse its header
 CLOSE_FLUSH_S = 5.0
-READ_AHEAD = 2  # batches of one fetch in flight at once
+READ_AHEAD = 2  # batches of one fetch whose GETs are on the wire at once
 
 
 class RedisTier:
@@ -71,7 +73,6 @@ class RedisTier:
         self._refused_unlogged = 0
         self.missing_pages = 0  # GETs of pages believed held that Redis no longer had (evicted, expired)
         self._writer = WriteBehind(self._send, self._breaker, self._lost, MAX_QUEUED_BYTES)
-        self._readers = ThreadPoolExecutor(max_workers=2 * READ_AHEAD, thread_name_prefix="kvstore-redis-read")
 
     # -- the protocol ------------------------------------------------------------------------
     @property
@@ -94,50 +95,71 @@ class RedisTier:
         """Records of `keys` in one pipelined round trip; None for misses and corrupt values.
         `report_missing`: a key Redis does not hold is reported through take_failed (the store
         believed it held; probes of keys nobody stored pass False)."""
-        results: list[PageRecord | None] = [None] * len(keys)
-        wire: list[int] = []
-        for i, key in enumerate(keys):
-            queued = self._writer.pending(key)
-            if queued is None:
-                wire.append(i)
-            elif queued is not DELETED:
-                results[i] = queued  # type: ignore[assignment]
-        if not wire:
-            return results
-        values = self._call(lambda r: self._read(r, [keys[i] for i in wire]))
-        if values is None:
-            return results  # Redis unreachable: misses, and the copies may still be there later
-        missing = []
-        for i, value in zip(wire, values):
-            if isinstance(value, (bytes, bytearray, memoryview)):
-                try:
-                    results[i] = decode_value(value, keys[i])
-                except CorruptRecord as exc:
-                    self._corrupt(keys[i], str(exc))
-            elif report_missing:
-                missing.append(keys[i])  # None (gone) or a per-key error (e.g. WRONGTYPE)
-        if missing:
-            self.missing_pages += len(missing)
-            self._lost(missing)
+        [results] = self._records([keys], report_missing, ahead=1)
         return results
 
     def read_ahead(self, batches: list[list[bytes]]) -> Iterator[dict[bytes, PageRecord | None]]:
-        """`get_many` of each batch, yielded in order as {key: record}, with up to READ_AHEAD
-        batches in flight on their own connections: the network reads and checksums of the next
-        batches overlap the caller's decoding of this one (redis-py and zlib release the GIL)."""
-        if len(batches) == 1:
-            yield dict(zip(batches[0], self.get_many(batches[0])))
-            return
-        pending: deque[tuple[list[bytes], Future]] = deque()
-        rest = iter(batches)
-        for batch in islice(rest, READ_AHEAD):
-            pending.append((batch, self._readers.submit(self.get_many, batch)))
-        while pending:
-            batch, future = pending.popleft()
-            following = next(rest, None)
-            if following is not None:
-                pending.append((following, self._readers.submit(self.get_many, following)))
-            yield dict(zip(batch, future.result()))
+        """`get_many` of each batch, yielded in order as {key: record}, on one connection with
+        the GETs of up to READ_AHEAD batches on the wire: Redis sends the next batch while the
+        caller decodes this one."""
+        for b, records in enumerate(self._records(batches, True, READ_AHEAD)):
+            yield dict(zip(batches[b], records))
+
+    def _records(self, batches: list[list[bytes]], report_missing: bool,
+                 ahead: int) -> Iterator[list[PageRecord | None]]:
+        """The records of each batch, in order; keys queued in the write-behind are served
+        from the queue (or are misses when a DEL is queued) without asking Redis."""
+        plan: list[tuple[list[PageRecord | None], list[int]]] = []  # (results, indexes to read) per batch
+        for keys in batches:
+            results: list[PageRecord | None] = [None] * len(keys)
+            wire: list[int] = []
+            for i, key in enumerate(keys):
+                queued = self._writer.pending(key)
+                if queued is None:
+                    wire.append(i)
+                elif queued is not DELETED:
+                    results[i] = queued  # type: ignore[assignment]
+            plan.append((results, wire))
+        stream = self._values([[keys[i] for i in wire] for keys, (_, wire) in zip(batches, plan)], ahead)
+        for (results, wire), keys, values in zip(plan, batches, stream):
+            if values is None:  # Redis unreachable: misses, and the copies may still be there later
+                yield results
+                continue
+            missing = []
+            for i, value in zip(wire, values):
+                if isinstance(value, (torch.Tensor, bytes, bytearray, memoryview)):
+                    try:
+                        results[i] = decode_value(value, keys[i])
+                    except CorruptRecord as exc:
+                        self._corrupt(keys[i], str(exc))
+                elif report_missing:
+                    missing.append(keys[i])  # None (gone) or a per-key error (e.g. WRONGTYPE)
+            if missing:
+                self.missing_pages += len(missing)
+                self._lost(missing)
+            yield results
+
+    def _values(self, batches: list[list[bytes]], ahead: int) -> Iterator[list[Any] | None]:
+        """Redis' values of each batch of keys, in order; None for a batch not read because
+        Redis is unreachable, slow, or skipped by the breaker."""
+        done = 0
+        if self._breaker.allow():
+            try:
+                client = self._redis()
+                if self.cluster:  # the cluster client routes each key to its node: redis-py reads
+                    source: Iterator[list[Any]] = (self._read(client, batch) if batch else [] for batch in batches)
+                else:
+                    source = pipelined_gets(client.connection_pool, [[self._prefix + key for key in batch] for batch in batches],
+                                            self._ttl_s, ahead)
+                for values in source:
+                    done += 1
+                    if done == len(batches):  # before the last yield: a caller need not ask past it
+                        self._breaker.success()
+                    yield values
+            except FAULTS as exc:
+                self._breaker.failure(exc)
+        for _ in range(done, len(batches)):
+            yield None
 
     def probe(self, keys: Iterable[bytes]) -> int:
         """How many leading `keys` Redis (or the write-behind queue) holds: pipelined EXISTS in
@@ -206,7 +228,6 @@ class RedisTier:
 
     def close(self) -> None:
         self._writer.close(CLOSE_FLUSH_S)
-        self._readers.shutdown(wait=True)
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:

@@ -5,6 +5,8 @@
   each key of a pipeline to its node, so per-key GET/SET pipelines work without hash tags). Every
   socket operation times out after `timeout_s` and redis-py's own retries are off: a request must
   never wait longer than that on a dead Redis (redis-py 6+ retries three times by default).
+  The protocol is RESP2 (redis-py 8 defaults to RESP3): the tier's GET reader
+  (tiers/redis_reader.py) then never meets out-of-band push messages.
 - `Breaker`: after a failure, Redis is skipped (every call is a miss at once) for a backoff that
   doubles up to `MAX_BACKOFF_S`; the first call after the backoff tries again, so the tier
   reconnects by itself when Redis returns. Failures are logged at most once per `LOG_EVERY_S`.
@@ -40,7 +42,7 @@ def is_cluster_url(url: str) -> bool:
 def make_client(url: str, timeout_s: float) -> Any:
     """A client for `url`. The cluster client connects (to discover slots) right here, so call
     this under the breaker: it raises a FAULTS error while the cluster is down."""
-    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "protocol": 2}
     scheme, rest = url.split("://", 1)
     if scheme.lower() in CLUSTER_SCHEMES:
         from redis.cluster import RedisCluster

@@ -34,15 +34,16 @@ def encode_value(record: PageRecord, compressor: zstandard.ZstdCompressor | None
     return b"".join((len(header).to_bytes(LENGTH_BYTES, "little"), header, stored))
 
 
-def decode_value(value: bytes, key: bytes) -> PageRecord:
-    """The record in `value`, its payload a zero-copy view of `value` unless it was compressed.
-    Raises CorruptRecord on anything that does not check out."""
-    if len(value) < LENGTH_BYTES:
+def decode_value(value: Any, key: bytes) -> PageRecord:
+    """The record in `value` (bytes, or a uint8 tensor as tiers/redis_reader.py receives it),
+    its payload a zero-copy view of `value` unless it was compressed. The payload is hashed
+    once, where it lies. Raises CorruptRecord on anything that does not check out."""
+    view = payload_view(value)
+    if len(view) < LENGTH_BYTES:
         raise CorruptRecord("value shorter than its length field")
-    view = memoryview(value)
     header_len = int.from_bytes(view[:LENGTH_BYTES], "little")
     end = LENGTH_BYTES + header_len
-    if end > len(value):
+    if end > len(view):
         raise CorruptRecord("header length beyond the value")
     header = decode_header(bytes(view[LENGTH_BYTES:end]), key)
     payload: Any = view[end:]

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from redis_helpers import RedisServer
 
+import kvstore.tier_stack
 from kvstore import KVStore, ModelSpec
 from kvstore.keys import namespace_key, prefix_keys
 from tiers.base import PageRecord
@@ -174,3 +175,15 @@ def test_redis_killed_mid_run_local_tiers_keep_serving_then_sharing_resumes(make
         time.sleep(0.1)
     assert b.lookup("m", later).tiers == {"redis": 8}
     assert torch.equal(b.fetch("m", later).kv, later_kv)
+
+
+def test_a_long_prompt_read_from_redis_in_pipelined_batches_is_bit_exact(make_sidecar_store, spec, monkeypatch):
+    monkeypatch.setattr(kvstore.tier_stack, "READ_BATCH_BYTES", 3 * spec.page_bytes)  # several batches in flight
+    a, b = pair(make_sidecar_store, spec, cpu_bytes=0, disk_bytes=0, data_dir=None)
+    tokens, kv = list(range(1000, 1082)), random_kv(spec, 82, seed=3)  # 20 full pages and a tail
+    assert a.store("m", tokens, kv).new_pages == 21
+    assert a.flush(5)
+    for start in (0, 1, 41, 80):
+        fetched = b.fetch("m", tokens, start=start)
+        assert fetched.matched_tokens == 82 and torch.equal(fetched.kv, kv[:, :, start:])
+    assert b.stats()["tiers"]["redis"]["errors"] == 0

@@ -1,0 +1,150 @@
+"""The Redis tier's read path: GET (or GETEX) replies received straight into one fresh buffer
+per value, pipelined in batches on one connection.
+
+Why not redis-py's own parser: it receives a reply in 64 KiB socket reads, copies each into
+hiredis' buffer and then the whole value into a new bytes object, with three Python calls per
+64 KiB; a 2 MiB value costs three copies and ~100 calls, and a pipeline of 32 such values
+measured slower than 32 single GETs (37 vs 25 ms). Here the value's bytes go from the socket
+into the buffer they are decoded from, in as few `recv_into` calls as the kernel allows.
+
+- `pipelined_gets(pool, batches, ttl_s, ahead)` borrows one connection from a redis-py
+  connection pool (so AUTH, SELECT, TLS and unix sockets are redis-py's), sends the GETs of up
+  to `ahead` batches before reading the first, and yields each batch's values in order: the
+  next batch's replies are on the wire while the caller decodes this one. Outstanding replies
+  stay bounded (Redis builds a pipeline's whole reply in memory first: 32 pipelined 2 MiB GETs
+  measured 36 ms, against 13 ms with 4 in flight).
+- A value is a uint8 tensor (value bytes,) the caller may keep; a missing key is None; a
+  per-key error reply (WRONGTYPE) is a `redis.ResponseError`, as in redis-py's pipelines.
+- A connection left with unread replies (the caller stopped early, a timeout, a malformed
+  reply) is disconnected before it goes back to the pool, so no later command reads them.
+
+What it does not do: commands other than GET / GETEX, RESP3 push messages (the tier's client
+speaks RESP2, tiers/redis_conn.py), Redis Cluster (the tier uses
+redis-py for those), retries (the tier's breaker decides what a failure means).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Union
+
+import redis
+import torch
+
+LINE_BUFFER_BYTES = 1 << 16  # reply headers, nil replies and small values are read through this
+MAX_LINE_BYTES = 1 << 12  # a reply header is "$<length>\r\n" or a short error line
+CRLF = b"\r\n"
+
+Value = Union[torch.Tensor, None, redis.exceptions.ResponseError]
+
+
+class ReplyReader:
+    """RESP2 replies to GET from one socket: headers through a small buffer, each value's
+    bytes received into a buffer allocated for it."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray(LINE_BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0  # unread bytes are self._buf[self._start:self._end]
+        self._end = 0
+
+    @property
+    def drained(self) -> bool:
+        """Nothing received beyond the replies read (the connection is clean to reuse)."""
+        return self._start == self._end
+
+    def read_value(self) -> Value:
+        line = self._line()
+        kind = line[:1]
+        if kind == b"$":
+            nbytes = int(line[1:])
+            return None if nbytes < 0 else self._bulk(nbytes)
+        if kind == b"-":
+            return redis.exceptions.ResponseError(line[1:].decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3's null, should a URL ask for protocol=3
+            return None
+        raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:64]!r}")
+
+    def _bulk(self, nbytes: int) -> torch.Tensor:
+        # torch.empty: no zero fill (a bytearray would write every byte once more). The CRLF
+        # after the value lands in the buffer too, so the last recv needs no second call.
+        value = torch.empty(nbytes + len(CRLF), dtype=torch.uint8)  # (value bytes + 2,)
+        dest = memoryview(value.numpy())
+        have = min(self._end - self._start, len(dest))
+        dest[:have] = self._view[self._start:self._start + have]
+        self._start += have
+        while have < len(dest):
+            got = self._sock.recv_into(dest[have:])
+            if not got:
+                raise redis.exceptions.ConnectionError("Redis closed the connection mid-reply")
+            have += got
+        if dest[nbytes:] != CRLF:
+            raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
+        return value[:nbytes]
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(CRLF, self._start, self._end)
+            if end >= 0:
+                line = bytes(self._view[self._start:end])
+                self._start = end + len(CRLF)
+                return line
+            if self._end - self._start > MAX_LINE_BYTES:
+                raise redis.exceptions.InvalidResponse("reply header too long")
+            self._fill()
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):  # keep the partial line, make room after it
+            unread = self._end - self._start
+            self._view[:unread] = self._view[self._start:self._end]
+            self._start, self._end = 0, unread
+        got = self._sock.recv_into(self._view[self._end:])
+        if not got:
+            raise redis.exceptions.ConnectionError("Redis closed the connection")
+        self._end += got
+
+
+def pipelined_gets(pool: redis.ConnectionPool, batches: list[list[bytes]], ttl_s: int | None,
+                   ahead: int) -> Iterator[list[Value]]:
+    """The values of each batch of Redis keys, one list per batch in order, with the GETs of up
+    to `ahead` batches (>= 1) on the wire at once. GETEX refreshes a TTL of `ttl_s` seconds on
+    every read (a page in use stays alive). Raises redis-py's connection errors and OSError
+    (socket timeouts included) when Redis is unreachable or slow."""
+    assert ahead >= 1
+    if not batches:
+        return
+    conn = pool.get_connection()
+    released = False
+    try:
+        reader: ReplyReader | None = None
+        sent = 0
+        for i, batch in enumerate(batches):
+            while sent < min(len(batches), i + ahead):
+                _send(conn, batches[sent], ttl_s)
+                sent += 1
+            if reader is None:
+                reader = ReplyReader(conn._sock)  # after a send: that connects a dropped connection
+            values = [reader.read_value() for _ in batch]
+            if i == len(batches) - 1:
+                # Give the connection back before the last yield: a caller that has what it
+                # asked for need not resume this generator.
+                _release(pool, conn, clean=reader.drained)
+                released = True
+            yield values
+    finally:
+        if not released:  # stopped early or failed: replies may be left unread
+            _release(pool, conn, clean=False)
+
+
+def _release(pool: redis.ConnectionPool, conn: Any, *, clean: bool) -> None:
+    if not clean:  # unread (or partly read) replies: no later command may read them as its own
+        conn.disconnect()
+    pool.release(conn)
+
+
+def _send(conn: Any, keys: list[bytes], ttl_s: int | None) -> None:
+    if not keys:
+        return
+    commands = [("GETEX", key, "EX", ttl_s) for key in keys] if ttl_s else [("GET", key) for key in keys]
+    conn.send_packed_command(conn.pack_commands(commands), check_health=False)
