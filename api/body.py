@@ -34,8 +34,18 @@ def _timed_out(got: int) -> RequestTimeout:
                           "the server's --body-timeout-s bounds a whole body", field="body")
 
 
+SMALL_BODY_BYTES = 64 << 10
+
+
 async def read_exact(stream: StreamReader, nbytes: int, deadline: float | None = None) -> bytearray | memoryview:
     """Exactly `nbytes` from `stream` into one fresh writable buffer, one copy per byte."""
+    if nbytes <= SMALL_BODY_BYTES and stream.total_bytes == nbytes:
+        # Already here (it came with the head, as a lookup's or a shared-memory store's body
+        # does): no timer, no read loop; this path cost ~25 us of a 0.2 ms lookup.
+        data = stream.read_nowait(-1)
+        if len(data) == nbytes:
+            return bytearray(data)
+        raise InvalidRequest(f"body: {len(data)} bytes available, {nbytes} expected (Content-Length)", field="body")
     stream.set_read_chunk_size(min(max(nbytes, 1 << 16), READ_AHEAD_BYTES))
     got = [0]
     # One deadline for the whole body: a timer per chunk (wait_for) cost ~1 ms per 2 MiB body.

@@ -13,6 +13,7 @@ from api import wire
 from api.context import CONFIG, SHARED_MEMORY, STORE, run_blocking, tenant_of
 from api.metrics import METRICS
 from api.openapi import openapi_document
+from kvstore.results import FetchResult
 
 
 async def _body(request: web.Request) -> dict:
@@ -70,6 +71,11 @@ def _shm_kv(request: web.Request, req: wire.TokensRequest) -> memoryview:
     return memoryview(request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm").numpy())
 
 
+def _inline_store(request: web.Request, nbytes: int) -> bool:
+    """Run a store on the loop: small, and nothing but copies into memory (ServerConfig.inline_copy_bytes)."""
+    return nbytes <= request.app[CONFIG].inline_copy_bytes and request.app[STORE].stores_in_memory(nbytes)
+
+
 async def lookup(request: web.Request) -> web.Response:
     req = wire.lookup_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
@@ -93,7 +99,7 @@ async def store(request: web.Request) -> web.Response:
         kv = wire.kv_tensor(raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
         return asdict(kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant))
 
-    return wire.respond(request, await run_blocking(request, put))
+    return wire.respond(request, put() if _inline_store(request, raw.nbytes) else await run_blocking(request, put))
 
 
 async def fetch(request: web.Request) -> web.StreamResponse:
@@ -105,8 +111,7 @@ async def fetch(request: web.Request) -> web.StreamResponse:
         offset, nbytes = req.shm
         into = request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm")
 
-    def get() -> tuple[dict, object]:
-        result = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+    def answer(result: FetchResult) -> tuple[dict, object]:
         fields, raw = wire.kv_payload(result.kv)
         fields = {"matched_tokens": result.matched_tokens, **fields}
         if into is not None and raw is not None and raw.nbytes and result.kv.data_ptr() == into.data_ptr():
@@ -114,9 +119,12 @@ async def fetch(request: web.Request) -> web.StreamResponse:
         return fields, raw
 
     # No I/O and a small copy: cheaper here than the hop to a pool thread and back.
-    limit = request.app[CONFIG].inline_fetch_bytes
-    in_memory = kvstore.in_memory_bytes(req.model, req.tokens, start=req.start, tenant=tenant) if limit else None
-    fields, raw = get() if in_memory is not None and in_memory <= limit else await run_blocking(request, get)
+    limit = request.app[CONFIG].inline_copy_bytes
+    result = kvstore.fetch_in_memory(req.model, req.tokens, max_bytes=limit, start=req.start, tenant=tenant,
+                                     into=into) if limit else None
+    if result is None:
+        result = await run_blocking(request, kvstore.fetch, req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+    fields, raw = answer(result)
     if "shm" in fields:
         return wire.respond(request, fields)
     return await wire.respond_kv(request, fields, raw)
@@ -133,7 +141,7 @@ async def store_chunk(request: web.Request) -> web.Response:
         kv = wire.kv_tensor(raw, spec, len(req.tokens), req.dtype)  # (L, 2, T, H, D)
         return asdict(kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant))
 
-    return wire.respond(request, await run_blocking(request, put))
+    return wire.respond(request, put() if _inline_store(request, raw.nbytes) else await run_blocking(request, put))
 
 
 async def blend(request: web.Request) -> web.StreamResponse:

@@ -1,7 +1,7 @@
 """Sidecar store/fetch throughput and latency on loopback, beside redis-py SET/GET of the same
 bytes against a local redis-server, in one run (DESIGN §8).
 
-    python bench/api.py [--seconds 2] [--json out.json]
+    python bench/api.py [--seconds 3] [--rounds 3] [--json out.json]
 
 Starts `kvstore serve` (CPU tier only, so both sides are in-memory) and `redis-server` (the
 Redis column is skipped, with a note, when none is installed) on free loopback ports. For each
@@ -107,6 +107,18 @@ def summarize(system: str, op: str, size: str, clients: int, nbytes: int, result
     lat_ms = np.array(lat) * 1e3
     return Cell(system, op, size, clients, n, n * nbytes / elapsed / 1e6,
                 float(np.percentile(lat_ms, 50)), float(np.percentile(lat_ms, 99)))
+
+
+def merge_rounds(cells: list[Cell]) -> list[Cell]:
+    """One cell per (system, op, size, clients): the median over rounds of each figure (rounds
+    alternate the systems, so a burst of load on this shared machine hits one round, not one system)."""
+    groups: dict[tuple[str, str, str, int], list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.system, c.op, c.size, c.clients), []).append(c)
+    return [Cell(system, op, size, clients, sum(c.ops for c in group),
+                 float(np.median([c.mb_per_s for c in group])), float(np.median([c.p50_ms for c in group])),
+                 float(np.median([c.p99_ms for c in group])))
+            for (system, op, size, clients), group in groups.items()]
 
 
 # ---- the sidecar -----------------------------------------------------------------------------
@@ -271,7 +283,8 @@ def table(cells: list[Cell], loopback: float, redis_note: str | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="per cell")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per cell, split over the rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="alternate the systems this many times per cell")
     parser.add_argument("--clients", default="1,8")
     parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--transports", default="shm,tcp",
@@ -295,14 +308,17 @@ def main() -> int:
         warm = [False]
         try:
             loopback = loopback_mb_per_s()
-            with tqdm(total=len(sizes) * len(clients), desc="bench/api", unit="config") as bar:
+            per_round = args.seconds / args.rounds
+            with tqdm(total=len(sizes) * len(clients) * args.rounds, desc="bench/api", unit="round") as bar:
                 for size in sizes:
                     for n in clients:
-                        for transport in transports:
-                            cells += sidecar_cells(url, size, SIZES[size], n, args.seconds, seq, warm, transport)
-                        if redis_proc is not None:
-                            cells += redis_cells(redis_proc[1], size, SIZES[size], n, args.seconds)
-                        bar.update()
+                        for _ in range(args.rounds):
+                            for transport in transports:
+                                cells += sidecar_cells(url, size, SIZES[size], n, per_round, seq, warm, transport)
+                            if redis_proc is not None:
+                                cells += redis_cells(redis_proc[1], size, SIZES[size], n, per_round)
+                            bar.update()
+            cells = merge_rounds(cells)
         finally:
             sidecar.terminate()
             sidecar.wait(30)

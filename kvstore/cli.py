@@ -33,7 +33,7 @@ HELP = {
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "insecure": "allow a non-loopback bind without --auth-file",
     "shared_memory": "let clients on this host move KV through shared memory instead of the socket",
-    "inline_fetch_bytes": "fetches up to this size served from memory run on the event loop (0: never)",
+    "inline_copy_bytes": "fetches/stores up to this size that need no I/O run on the event loop (0: never)",
 }
 
 

@@ -166,25 +166,33 @@ class KVStore:
         """True with a Redis tier: lookup and fetch may then do network I/O (probing Redis)."""
         return "redis" in self._tiers.record_tiers
 
-    def in_memory_bytes(self, model: str, tokens: Sequence[int], *, start: int = 0,
-                        tenant: str | None = None) -> int | None:
-        """Bytes of KV a fetch would return now if every page it would read is in a memory tier
-        (gpu, cpu); None if it would read the disk or probe Redis. An index walk, no I/O: the
-        sidecar runs small in-memory fetches on its event loop, where a thread hop costs more
-        than the copy. Raises what fetch raises for the same arguments."""
-        entry = self._model(model, tenant)
-        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
-        n_tokens = len(tb) // TOKEN_BYTES
-        start = check_start(start, n_tokens)
+    def stores_in_memory(self, nbytes: int) -> bool:
+        """Whether storing `nbytes` of new KV now would only copy into memory: write-back, a
+        memory top tier, and no eviction that writes a record tier (the disk writer's bounded
+        queue can block). Like `in_memory_bytes`, it lets the sidecar skip the thread hop."""
+        top = self._tiers.top
+        if self.config.durability != "write-back" or top not in self._tiers.slot_tiers:
+            return False
+        if not self._tiers.record_tiers:
+            return True  # evictions only drop pages
         with self._lock:
-            match = self._index.match(entry.namespace, tb, entry.spec.page_size)
-            if self.has_shared_tier and match.matched_tokens < n_tokens:
-                return None  # the fetch would probe Redis for the rest
-            if any(self._tiers.source_tier(node) not in self._tiers.slot_tiers for node in match.path):
-                return None
-            return max(0, match.matched_tokens - start) * entry.spec.bytes_per_token
+            return not self._placement.quotas and self._placement.fits(top, nbytes)
 
     # -- fetch -----------------------------------------------------------------------------
+    def fetch_in_memory(self, model: str, tokens: Sequence[int], *, max_bytes: int, start: int = 0,
+                        tenant: str | None = None, into: torch.Tensor | None = None) -> FetchResult | None:
+        """`fetch` (to the CPU), done only if it needs no I/O and returns at most `max_bytes`:
+        every page it would read is in a memory tier and no Redis probe is due. None otherwise,
+        with nothing done or counted. The sidecar runs these on its event loop, where the copy
+        costs less than a hop to a pool thread and back."""
+        if self.has_shared_tier:
+            return None  # a fetch may probe Redis for pages past the local match
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        start = check_start(start, len(tb) // TOKEN_BYTES)
+        return self._fetch(entry.namespace, entry.spec, tb, start, torch.device("cpu"), into=check_into(into, torch.device("cpu")),
+                           memory_only_max_bytes=max_bytes)
+
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
               device: str = "cpu", into: torch.Tensor | None = None) -> FetchResult:
         """KV of the longest cached prefix: `kv` covers tokens[start:matched_tokens].
@@ -199,11 +207,16 @@ class KVStore:
         return self._fetch(entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
 
     def _fetch(self, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
-               *, count: bool = True, into: torch.Tensor | None = None) -> FetchResult:
+               *, count: bool = True, into: torch.Tensor | None = None,
+               memory_only_max_bytes: int | None = None) -> FetchResult | None:
         self._probe_shared(root_key, spec, tb)
         with self._lock:
             self._drain_lost_copies()
             match = self._index.match(root_key, tb, spec.page_size)
+            if memory_only_max_bytes is not None and (
+                    (match.matched_tokens - start) * spec.bytes_per_token > memory_only_max_bytes
+                    or any(self._tiers.source_tier(node) not in self._tiers.slot_tiers for node in match.path)):
+                return None  # fetch_in_memory: this one needs I/O or is too big
             if count:
                 self._counters["fetches"] += 1
                 self._counters["requested_tokens"] += len(tb) // TOKEN_BYTES

@@ -20,6 +20,7 @@ from api.client_arena import ALIGN_BYTES, ClientArena
 from api.config import ServerConfig
 from api.shared_memory import HEADER_BYTES, SECRET_BYTES
 from kvstore import KVStore, ModelSpec, StoreConfig
+from kvstore.errors import InvalidRequest
 
 
 def _kv(spec: ModelSpec, n: int, seed: int = 0) -> torch.Tensor:
@@ -213,12 +214,30 @@ def test_arena_size_is_validated():
         ClientArena(100)
 
 
-def test_in_memory_bytes_says_when_a_fetch_needs_no_io(store, spec: ModelSpec, tmp_path):
+def test_fetch_in_memory_only_serves_what_needs_no_io(store, spec: ModelSpec, tmp_path):
     store.register_model("m", spec)
-    store.store("m", list(range(8)), _kv(spec, 8))
-    assert store.in_memory_bytes("m", list(range(8)), start=4) == 4 * spec.bytes_per_token
-    assert store.in_memory_bytes("m", list(range(50, 58))) == 0  # a miss reads nothing
+    kv = _kv(spec, 8)
+    store.store("m", list(range(8)), kv)
+    into = torch.empty(4096, dtype=torch.uint8)
+    result = store.fetch_in_memory("m", list(range(8)), max_bytes=4096, start=4, into=into)
+    assert result is not None and torch.equal(result.kv, kv[:, :, 4:]) and result.kv.data_ptr() == into.data_ptr()
+    fetches = store.stats()["fetches"]
+    assert store.fetch_in_memory("m", list(range(8)), max_bytes=4 * spec.bytes_per_token - 1, start=4) is None
+    assert store.stats()["fetches"] == fetches  # refused: nothing done, nothing counted
     with KVStore(StoreConfig(data_dir=str(tmp_path / "disk-only"), cpu_bytes=0, disk_bytes=32 << 20)) as disk_only:
         disk_only.register_model("m", spec)
-        disk_only.store("m", list(range(8)), _kv(spec, 8))
-        assert disk_only.in_memory_bytes("m", list(range(8))) is None  # served by LMDB: not on the event loop
+        disk_only.store("m", list(range(8)), kv)
+        assert disk_only.fetch_in_memory("m", list(range(8)), max_bytes=1 << 20) is None  # LMDB: not on the loop
+        assert torch.equal(disk_only.fetch("m", list(range(8))).kv, kv)
+
+
+def test_fetch_into_a_buffer_too_small_or_wrong_is_clear(store, spec: ModelSpec):
+    store.register_model("m", spec)
+    kv = _kv(spec, 8)
+    store.store("m", list(range(8)), kv)
+    small = torch.empty(16, dtype=torch.uint8)
+    result = store.fetch("m", list(range(8)), into=small)
+    assert torch.equal(result.kv, kv) and result.kv.data_ptr() != small.data_ptr()  # a fresh tensor instead
+    for bad in (torch.empty(4096, dtype=torch.float32), torch.empty(64, 64, dtype=torch.uint8), bytearray(4096)):
+        with pytest.raises(InvalidRequest, match="into"):
+            store.fetch("m", list(range(8)), into=bad)
