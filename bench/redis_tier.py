@@ -37,6 +37,7 @@ import tiers.redis  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.keys import namespace_key, prefix_keys  # noqa: E402
 from tiers.redis_conn import make_client  # noqa: E402
+from tiers.redis_reader import pipelined_gets  # noqa: E402
 
 # 32 layers x 8 KV heads x 128 dims x fp16 x 16 tokens = a 2 MiB page (Llama-3-8B's shape).
 SPEC_2MIB = ModelSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
@@ -135,6 +136,14 @@ def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, bar: tqdm) ->
                 kvstore.tier_stack.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = batch, ahead
 
         out["pipelined_vs_page_by_page"] = interleaved(lambda: store.fetch("m", many), page_by_page, repeat, bar)
+
+        # The same two read patterns on the wire alone (no store, no decode, no output tensor):
+        # what pipelining can gain at most when the pages' bytes, not round trips, are the cost.
+        per_batch = -(-batch // spec.page_bytes)
+        batches = [keys[i:i + per_batch] for i in range(0, len(keys), per_batch)]
+        out["wire_pipelined_vs_one_by_one"] = interleaved(
+            lambda: list(pipelined_gets(raw.connection_pool, batches, None, ahead)),
+            lambda: list(pipelined_gets(raw.connection_pool, [[k] for k in keys], None, 1)), repeat, bar)
     raw.close()
     return out
 
@@ -150,7 +159,7 @@ def main() -> None:
     url = args.redis_url or server.url  # type: ignore[union-attr]
     results = {}
     try:
-        with tqdm(total=2 * 4 * args.repeat, desc="redis tier", unit="run") as bar:
+        with tqdm(total=2 * 5 * args.repeat, desc="redis tier", unit="run") as bar:
             for name, spec in (("2MiB", SPEC_2MIB), ("64KiB", SPEC_64KIB)):
                 results[name] = bench_spec(url, spec, args.pages, args.repeat, bar)
     finally:
@@ -168,6 +177,10 @@ def main() -> None:
             c = r[key]
             print(f"{name} x{r['pages']} fetch: pipelined {c['subject_s'] * 1e3:.1f} ms ({total / c['subject_s']:.0f} MB/s) "
                   f"vs {label} {c['baseline_s'] * 1e3:.1f} ms -> {c['ratio']:.2f}x")
+        w = r["wire_pipelined_vs_one_by_one"]
+        print(f"{name} x{r['pages']} wire only (tier's reader, no decode): pipelined {w['subject_s'] * 1e3:.1f} ms "
+              f"({total / w['subject_s']:.0f} MB/s) vs one GET per round trip {w['baseline_s'] * 1e3:.1f} ms "
+              f"({total / w['baseline_s']:.0f} MB/s) -> {w['ratio']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -55,6 +55,14 @@ def test_pipelined_batches_come_back_in_order_bit_exact(client, ahead: int):
     assert {c["id"] for c in client.client_list()} == connections  # ... and no other was opened
 
 
+def test_many_small_values_in_one_batch_come_back_bit_exact(client):
+    # ~200 KB of replies: several land in one recv, and some headers straddle the read buffer's end.
+    stored = {b"s%d" % i: os.urandom(997 + i % 3) for i in range(200)}
+    client.mset(stored)
+    [values] = list(pipelined_gets(client.connection_pool, [list(stored)], None, 1))
+    assert values_as_bytes(values) == list(stored.values())
+
+
 def test_a_reader_stopped_early_never_leaks_replies_to_the_next_command(client):
     stored = {b"a": os.urandom(1 << 20), b"b": os.urandom(1 << 20), b"c": b"small"}
     client.mset(stored)
