@@ -102,9 +102,15 @@ def _skip(buf: memoryview, pos: int) -> int:
     return pos
 
 
+SMALL_BODY_BYTES = 64 << 10  # below this, copying bins costs less than walking the map in Python
+
+
 def unpack_map(body: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Decode a top-level msgpack map; `bin` values are memoryview slices of `body`."""
+    """Decode a top-level msgpack map; `bin` values are memoryviews (slices of `body` when it is
+    large; of writable copies when it is small)."""
     buf = memoryview(body).cast("B")
+    if len(buf) <= SMALL_BODY_BYTES:
+        return _unpack_small(buf)
     count, pos = _map_header(buf)
     out: dict[str, Any] = {}
     for _ in range(count):
@@ -122,6 +128,30 @@ def unpack_map(body: bytes | bytearray | memoryview) -> dict[str, Any]:
         pos = end
     if pos != len(buf):
         raise FramingError(f"{len(buf) - pos} trailing bytes after the msgpack map")
+    return out
+
+
+def _unpack_small(buf: memoryview) -> dict[str, Any]:
+    """msgpack's C unpacker (~0.5 us for a lookup's body, against ~7 us for the walk above), with
+    the same checks and messages; top-level bins become writable memoryviews."""
+    if not len(buf):
+        raise FramingError("empty body, expected a msgpack map")
+    try:
+        obj = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
+                              max_map_len=MAX_MAP_LEN)
+    except msgpack.ExtraData as exc:
+        if not isinstance(exc.unpacked, dict):
+            raise FramingError("expected a msgpack map at the top level") from None
+        raise FramingError(f"{len(exc.extra)} trailing bytes after the msgpack map") from None
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise FramingError(f"malformed msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise FramingError("expected a msgpack map at the top level")
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            raise FramingError(f"map keys must be strings, got {key!r:.40}")
+        out[key] = memoryview(bytearray(value)) if isinstance(value, bytes) else value
     return out
 
 
