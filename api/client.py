@@ -95,13 +95,14 @@ class KVStoreClient:
         if offset is not None:  # the answer is written into our shared memory (api/shared_memory.py)
             assert arena is not None
             try:
-                obj = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start, shm=(offset, wanted))])
-            except SharedMemoryRefused as exc:
-                arena.release(offset, wanted)
-                self._shared_memory_off(exc)
+                body = codec.tokens_body(model, tokens, start, shm=(offset, wanted))
             except BaseException:
                 arena.release(offset, wanted)
                 raise
+            try:
+                obj = self._shared_memory_call("/v1/fetch", [body], arena, offset, wanted)
+            except SharedMemoryRefused as exc:
+                self._shared_memory_off(exc)
             else:
                 placed = obj.get("shm")
                 if placed is None:  # it did not fit (the model changed?): the KV came in the body
@@ -159,12 +160,30 @@ class KVStoreClient:
                 try:
                     np.copyto(arena.view(offset, raw.nbytes), np.frombuffer(raw, dtype=np.uint8))
                     body = codec.store_shm_body(model, tokens, dtype, start, (offset, raw.nbytes))
-                    return codec.store_result(self._call("POST", path, [body]))
+                except BaseException:
+                    arena.release(offset, raw.nbytes)
+                    raise
+                try:
+                    obj = self._shared_memory_call(path, [body], arena, offset, raw.nbytes)
                 except SharedMemoryRefused as exc:
                     self._shared_memory_off(exc)
-                finally:
+                else:
                     arena.release(offset, raw.nbytes)
+                    return codec.store_result(obj)
         return codec.store_result(self._call("POST", path, codec.store_parts(model, tokens, kv, start)))
+
+    def _shared_memory_call(self, path: str, parts: codec.Parts, arena: ClientArena, offset: int, nbytes: int) -> Any:
+        """POST a request naming the region [offset, offset + nbytes). If the sidecar answered
+        with an error the region is released; if the exchange broke (timeout, reset) it is not:
+        the sidecar may still be copying into or out of it, and reusing it could hand a later
+        call torn KV. A broken exchange thus costs its region for the arena's lifetime."""
+        try:
+            return self._call("POST", path, parts)
+        except BackendUnavailable:
+            raise
+        except KVStoreError:
+            arena.release(offset, nbytes)
+            raise
 
     def _fetch_result(self, model: str, obj: dict[str, Any], device: str, raw: Any = None) -> FetchResult:
         per_token = codec.bytes_per_token(obj)

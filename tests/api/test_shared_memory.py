@@ -241,3 +241,42 @@ def test_fetch_into_a_buffer_too_small_or_wrong_is_clear(store, spec: ModelSpec)
     for bad in (torch.empty(4096, dtype=torch.float32), torch.empty(64, 64, dtype=torch.uint8), bytearray(4096)):
         with pytest.raises(InvalidRequest, match="into"):
             store.fetch("m", list(range(8)), into=bad)
+
+
+def test_a_broken_exchange_never_reuses_its_region(live_server, spec: ModelSpec, monkeypatch):
+    """A timeout or reset may leave the sidecar still copying into or out of the region: it is
+    kept out of use, while an error answer (the sidecar is done with it) gives it back."""
+    from kvstore.errors import BackendUnavailable, InvalidTokens, ModelNotFound
+
+    with KVStoreClient(live_server.url) as client:
+        client.register_model("m", spec)
+        kv = _kv(spec, 8, seed=5)
+        client.store("m", range(8), kv)
+        client.fetch("m", range(8))  # learns the bytes per token
+        arena = client._arena
+        assert arena is not None
+        full = arena.free_bytes()
+        real_call = client._call
+        broken = {"/v1/fetch", "/v1/store"}
+
+        def flaky(method, path, parts=None):
+            if path in broken:
+                broken.discard(path)
+                raise BackendUnavailable(f"{path}: simulated reset")
+            return real_call(method, path, parts)
+
+        monkeypatch.setattr(client, "_call", flaky)
+        with pytest.raises(BackendUnavailable):
+            client.fetch("m", range(8))
+        with pytest.raises(BackendUnavailable):
+            client.store("m", range(20, 28), kv)
+        lost = full - arena.free_bytes()
+        assert lost >= 2 * kv.numel() * 2  # both regions stay out of use
+        assert torch.equal(client.fetch("m", range(8)).kv, kv)  # later calls use other regions
+        client._bytes_per_token["unknown"] = spec.bytes_per_token  # as if it had been fetched before
+        with pytest.raises(ModelNotFound):
+            client.fetch("unknown", range(8))  # names a region; the sidecar answers 404
+        with pytest.raises(InvalidTokens):
+            client.store("m", [-1] * 8, kv)
+        gc.collect()
+        assert full - arena.free_bytes() == lost  # error answers and bad input gave theirs back
