@@ -280,3 +280,20 @@ def test_a_broken_exchange_never_reuses_its_region(live_server, spec: ModelSpec,
             client.store("m", [-1] * 8, kv)
         gc.collect()
         assert full - arena.free_bytes() == lost  # error answers and bad input gave theirs back
+
+
+def test_a_closed_connection_unmaps_its_arena(live_server, spec: ModelSpec):
+    from api.context import SHARED_MEMORY
+
+    arenas = live_server._runner.app[SHARED_MEMORY]
+
+    async def registered() -> int:
+        gc.collect()
+        return len(arenas._by_transport)
+
+    for _ in range(3):
+        with KVStoreClient(live_server.url) as client:
+            client.register_model("m", spec)
+            client.store("m", range(8), _kv(spec, 8))
+            assert live_server._call(registered()) == 1
+    assert live_server._call(registered()) == 0  # nothing held for connections that are gone
