@@ -69,7 +69,7 @@ def describe(store_config: StoreConfig, server_config: ServerConfig, sock: socke
         tiers.append(detail)
     auth = f"bearer tokens from {server_config.auth_file}" if server_config.auth_file else "off"
     return (f"kvstore serving on http://{host}:{port} | tiers: {', '.join(tiers)} | policy {store_config.policy}, "
-            f"{store_config.durability} | auth: {auth}")
+            f"{store_config.durability} | auth: {auth} | shared memory: {'on' if server_config.shared_memory else 'off'}")
 
 
 async def run(store_config: StoreConfig, server_config: ServerConfig) -> None:
