@@ -158,7 +158,7 @@ class StoreConfig:
     disk_codec: str = "none"
     disk_compression: str = "none"
     zstd_level: int = 1
-    policy: str = "lru-tail"
+    policy: str = "duel"
     durability: str = "write-back"
     promote_on_hit: bool = True
     redis_url: str | None = None

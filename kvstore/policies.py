@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvstore.index import Node
+from kvstore.shadow import ShadowCache
 
 
 class EvictionPolicy:
@@ -147,12 +148,13 @@ class ARCPrefixPolicy(EvictionPolicy):
 
     name = "arc-prefix"
     leaf_first = True
+    segment_policy: type[EvictionPolicy] = LRUPrefixPolicy  # the order within each segment
 
     def __init__(self, tier: str):
         super().__init__(tier)
-        self.recent = LRUPrefixPolicy(tier)  # stored, never served
-        self.frequent = LRUPrefixPolicy(tier)  # served by a fetch at least once
-        self._segment: dict[Node, LRUPrefixPolicy] = {}
+        self.recent = self.segment_policy(tier)  # stored, never served
+        self.frequent = self.segment_policy(tier)  # served by a fetch at least once
+        self._segment: dict[Node, EvictionPolicy] = {}
         self._recent_ghosts: OrderedDict[bytes, None] = OrderedDict()
         self._frequent_ghosts: OrderedDict[bytes, None] = OrderedDict()
         self.p = 0.0  # target number of pages on probation
@@ -209,9 +211,95 @@ class ARCPrefixPolicy(EvictionPolicy):
         return node if node is not None else second.victim()
 
 
+class ARCTailPolicy(ARCPrefixPolicy):
+    """`arc-prefix` whose two segments evict tail pages first, as `lru-tail` does."""
+
+    name = "arc-tail"
+    segment_policy = LRUTailPolicy
+
+
+class DuelPolicy(EvictionPolicy):
+    """Set dueling (Qureshi et al., ISCA '07) between `lru-tail` and `arc-tail`, by shadow caches.
+
+    No single rule wins on every traffic: `arc-tail` protects pages that were served (and keys
+    that come back soon after eviction), which pays where a prompt recurs many times (the
+    Mooncake sample), and loses where what matters is the first reuse of fresh pages (chat: turn
+    N+1 reuses turn N's prompt once; long documents with one follow-up); `lru-tail` is the
+    reverse. So this policy keeps both rankings over the tier's pages and, beside them, one keys-only
+    `ShadowCache` per candidate that replays the tier's own reference stream at the tier's size.
+    Each reference one shadow hits and the other misses moves `score` towards the one that hit;
+    victims come from the candidate `score` favours (`lru-tail` on a tie: it is never below LRU).
+
+    `score` decays by 1/(HORIZON_TURNOVERS x pages) per reference, so it compares the last
+    ~16 turnovers of the tier: a switch takes about one turnover to change what the tier holds,
+    so the comparison must span many of them or the tier follows neither candidate (measured:
+    with 4 the tier lost to both on the `docs` preset at 5%). The shadows' size is the most pages
+    the tier has held (its capacity in pages once it has filled); a page stored and used in one
+    request is one reference (`tick` counts the pages stored into the tier, and none is stored
+    between a request's fetch and its store).
+
+    Invariants: both candidates rank exactly the tier's pages (every call goes to both); each
+    shadow holds at most `capacity_pages` keys; leaf-first and pins hold because the victim is
+    always one candidate's, and both are leaf-first. Cost: three rankings and two key sets per
+    page instead of one.
+    """
+
+    name = "duel"
+    leaf_first = True
+    HORIZON_TURNOVERS = 16
+    candidates: tuple[type[EvictionPolicy], type[EvictionPolicy]] = (LRUTailPolicy, ARCTailPolicy)
+
+    def __init__(self, tier: str):
+        super().__init__(tier)
+        self.rankings = [make(tier) for make in self.candidates]
+        self.shadows = [ShadowCache(tier, make) for make in self.candidates]
+        self.capacity_pages = 0  # the most pages the tier has held
+        self.tick = 0
+        self.score = 0.0  # > 0: the second candidate has been hitting more
+
+    def __len__(self) -> int:
+        return len(self.rankings[0])
+
+    @property
+    def leader(self) -> EvictionPolicy:
+        return self.rankings[1 if self.score > 0 else 0]
+
+    def _reference(self, node: Node) -> None:
+        capacity = max(1, self.capacity_pages)
+        first, second = (shadow.reference(node, self.tick, capacity) for shadow in self.shadows)
+        if first != second:
+            self.score += 1.0 if second else -1.0
+        self.score *= 1.0 - 1.0 / (self.HORIZON_TURNOVERS * capacity)
+
+    def insert(self, node: Node) -> None:
+        self.tick += 1
+        for ranking in self.rankings:
+            ranking.insert(node)
+        self.capacity_pages = max(self.capacity_pages, len(self))
+        self._reference(node)
+
+    def touch(self, node: Node) -> None:
+        for ranking in self.rankings:
+            ranking.touch(node)
+        self._reference(node)
+
+    def update(self, node: Node) -> None:
+        for ranking in self.rankings:
+            ranking.update(node)
+
+    def remove(self, node: Node) -> None:
+        for ranking in self.rankings:
+            ranking.remove(node)
+
+    def victim(self) -> Node | None:
+        return self.leader.victim()
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     LRUPrefixPolicy.name: LRUPrefixPolicy,
     LRUTailPolicy.name: LRUTailPolicy,
     ARCPrefixPolicy.name: ARCPrefixPolicy,
+    ARCTailPolicy.name: ARCTailPolicy,
+    DuelPolicy.name: DuelPolicy,
 }

@@ -1,0 +1,89 @@
+"""A shadow cache: a keys-only simulation of one eviction policy over a tier's reference stream.
+
+`DuelPolicy` (kvstore/policies.py) runs two of these side by side, one per candidate policy,
+to learn which of the two would hit more on the traffic the tier actually sees. A shadow holds
+no bytes and no tree of its own beyond what the policy needs to rank: one `ShadowPage` per key
+it holds, linked to the shadow page of its parent key, with the same fields the policies read
+from a `Node` (key, tail, hits, last_access, pins, tier_kids).
+
+Invariants:
+- `len(pages) <= capacity` after every `reference` (capacity is the caller's, in pages);
+- a page's `tier_kids[tier]` counts its children held by this shadow, so the policy's
+  leaf-first rule holds here as in the tier: a shadow never drops a page before its children;
+- a key is referenced at most once per `tick` (the caller's request-sized unit of time), so a
+  fetch and a store of the same page in one request count as one reference, one hit at most.
+
+What it does not model: pins (a shadow page is never pinned; the page being referenced is the
+newest and has its just-referenced parent above it, so neither is a victim while it is added),
+tiers below, bytes (every page is one unit). It imports no torch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from kvstore.index import Node
+
+
+class ShadowPage:
+    """The fields of a `Node` that eviction policies read, for a page that is only simulated."""
+
+    __slots__ = ("key", "parent", "tail", "hits", "last_access", "pins", "tier_kids", "depth", "tick",
+                 "__weakref__")
+
+    def __init__(self, key: bytes, parent: "ShadowPage | None", tail: bool, last_access: int, tick: int):
+        self.key = key
+        self.parent = parent
+        self.tail = tail
+        self.hits = 0  # references while held by the shadow, after the first (ARC reads it)
+        self.last_access = last_access
+        self.pins = 0  # never pinned (see the module docstring)
+        self.tier_kids: dict[str, int] = {}
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.tick = tick  # the last tick it was referenced in
+
+
+class ShadowCache:
+    """One policy (made by `make_policy(tier)`) over at most `capacity` simulated pages."""
+
+    def __init__(self, tier: str, make_policy: Callable[[str], object]):
+        self.tier = tier
+        self.policy = make_policy(tier)
+        self.pages: dict[bytes, ShadowPage] = {}
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def reference(self, node: Node, tick: int, capacity: int) -> bool:
+        """The tier's page `node` was stored or used: True if the shadow held its key (a hit).
+        A miss adds the key, then evicts by the policy down to `capacity` pages."""
+        page = self.pages.get(node.key)
+        policy = self.policy
+        if page is not None:
+            if page.tick == tick:
+                return False  # the same request again (its fetch, then its store)
+            page.tick = tick
+            page.hits += 1
+            page.last_access = node.last_access
+            policy.touch(page)  # type: ignore[attr-defined]
+            return True
+        parent = self.pages.get(node.parent.key) if node.parent is not None else None
+        page = self.pages[node.key] = ShadowPage(node.key, parent, node.tail, node.last_access, tick)
+        page.tier_kids[self.tier] = 0
+        if parent is not None:
+            parent.tier_kids[self.tier] += 1
+        policy.insert(page)  # type: ignore[attr-defined]
+        while len(self.pages) > capacity:
+            victim = policy.victim()  # type: ignore[attr-defined]
+            if victim is None:
+                break
+            self._drop(victim)
+        return False
+
+    def _drop(self, page: ShadowPage) -> None:
+        self.policy.remove(page)  # type: ignore[attr-defined]
+        del self.pages[page.key]
+        parent = page.parent
+        if parent is not None and self.pages.get(parent.key) is parent:
+            parent.tier_kids[self.tier] -= 1
+            if parent.tier_kids[self.tier] == 0:
+                self.policy.update(parent)  # type: ignore[attr-defined]

@@ -1,0 +1,191 @@
+"""`duel`: the default policy follows whichever of `lru-tail` and `arc-tail` its shadow caches
+say hits more on the tier's own traffic; what a user sees is LRU-like hits where fresh pages are
+reused once, ARC-like hits where a prompt recurs, leaf-first eviction and pins respected."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bench.replay import compile_trace, replay
+from bench.traces import PRESETS, Request, generate
+from kvstore.config import StoreConfig
+from kvstore.index import Node, PageIndex
+from kvstore.keys import page_key, tokens_bytes
+from kvstore.placement import Placement
+from kvstore.policies import POLICIES, DuelPolicy, LRUPrefixPolicy
+from kvstore.shadow import ShadowCache
+
+NS = b"\x01" * 16
+
+
+def _trace(*prompts: list[int]):
+    # Whole 512-token blocks: no tail pages, so only recency and reuse decide.
+    return compile_trace("t", [Request(i, 512 * len(ids), 1, tuple(ids)) for i, ids in enumerate(prompts)])
+
+
+class _Tier:
+    """A one-tier placement driven page by page, as the store drives it."""
+
+    def __init__(self, policy: str, capacity_pages: int):
+        self.index = PageIndex()
+        self.placement = Placement(self.index, [("cpu", capacity_pages)], policy)
+        self.root = self.index.root(NS)
+        self.clock = 0
+
+    def store(self, *ids: int) -> list[Node]:
+        """Store a chain of pages (touch those held, add the rest), pinned while it is stored."""
+        self.clock += 1
+        parent, held = self.root, []
+        for i in ids:
+            token = tokens_bytes([i])
+            node = self.index.get(page_key(parent.key, token))
+            if node is None:
+                if not self.placement.make_room("cpu", 1):
+                    break
+                node = self.index.insert(parent, page_key(parent.key, token), token)
+                node.ready = True
+                self.placement.pin(node)
+                self.placement.touch(node, self.clock)
+                self.placement.add(node, "cpu", 1)
+            else:
+                self.placement.pin(node)
+                self.placement.touch(node, self.clock)
+            held.append(node)
+            parent = node
+        for node in held:
+            self.placement.unpin(node)
+        return held
+
+    def holds(self, *ids: int) -> bool:
+        key = NS
+        for i in ids:
+            key = page_key(key, tokens_bytes([i]))
+        node = self.index.get(key)
+        return node is not None and "cpu" in node.tiers
+
+
+def test_registered_and_the_default() -> None:
+    assert POLICIES["duel"] is DuelPolicy
+    assert StoreConfig().policy == "duel"
+
+
+def test_evicts_the_least_recent_leaf_never_a_page_with_a_descendant() -> None:
+    tier = _Tier("duel", 3)
+    tier.store(1, 2)  # 1 -> 2: page 1 has a descendant in the tier
+    tier.store(7)
+    tier.store(8)  # full: the oldest leaf goes (2), not its parent 1, though 1 is as old
+    assert tier.holds(1) and not tier.holds(1, 2) and tier.holds(7) and tier.holds(8)
+    tier.store(9)  # now 1 is a leaf and the least recently used
+    assert not tier.holds(1) and tier.holds(7) and tier.holds(8) and tier.holds(9)
+
+
+def test_pinned_pages_are_never_evicted() -> None:
+    tier = _Tier("duel", 2)
+    (old,) = tier.store(1)
+    tier.store(2)
+    tier.placement.pin(old)  # a fetch is streaming it
+    tier.store(3)
+    assert tier.holds(1) and not tier.holds(2) and tier.holds(3)
+    (page3,) = tier.store(3)
+    tier.placement.pin(page3)
+    assert tier.store(4) == []  # every page pinned: nothing is evicted, nothing stored
+    assert tier.holds(1) and tier.holds(3)
+
+
+@pytest.mark.parametrize("policy", ["arc-tail", "lru-tail"])
+def test_a_key_stored_again_soon_after_eviction_is_protected_in_arc_tail(policy: str) -> None:
+    # arc-tail's ghost: page 1 leaves, comes back while its key is remembered, and is then kept
+    # over the pages that were never served (5 and 6 go first though 1 is older); LRU drops it.
+    tier = _Tier(policy, 3)
+    for i in (1, 2, 3, 4):
+        tier.store(i)
+    assert not tier.holds(1)
+    tier.store(1)  # arc-tail: a ghost hit, into the protected segment
+    for i in (5, 6, 7):
+        tier.store(i)
+    assert tier.holds(7)
+    assert tier.holds(1) == (policy == "arc-tail")
+
+
+def test_follows_arc_where_a_prompt_recurs_between_one_off_prompts() -> None:
+    # Prompt [1, 2] recurs after every 3 one-off single-block prompts; 4 pages of room. LRU drops
+    # block 2 each time (its oldest leaf), arc-tail keeps the served prompt, and the duel, whose
+    # shadows see that, ends up with ARC's hits.
+    prompts: list[list[int]] = [[1, 2], [1, 2]]
+    fresh = 100
+    for _ in range(60):
+        prompts += [[fresh], [fresh + 1], [fresh + 2], [1, 2]]
+        fresh += 3
+    trace = _trace(*prompts)
+    tiers = [("cpu", 4)]
+    lru, arc, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "arc-tail", "duel"))
+    assert arc > lru
+    assert duel > lru + (arc - lru) // 2
+
+
+def test_follows_lru_where_fresh_pages_are_reused_once() -> None:
+    # Chat-like: each conversation's first turn [c, c+1] is reused once by its second turn two
+    # requests later; an early served prompt [1] is never used again. LRU keeps the fresh pages,
+    # the duel must not lose them to ARC's protection of the stale served prompt.
+    prompts: list[list[int]] = [[1], [1]]
+    for c in range(100, 400, 10):
+        prompts += [[c, c + 1], [c + 5], [c, c + 1, c + 2]]
+    trace = _trace(*prompts)
+    tiers = [("cpu", 4)]
+    lru, arc, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "arc-tail", "duel"))
+    assert arc < lru <= duel
+
+
+class _LeafFirstDuel(DuelPolicy):
+    """Asserts at every eviction that the victim has no descendant in the tier and no pin."""
+
+    def victim(self) -> Node | None:
+        node = super().victim()
+        assert node is None or (not node.tier_kids.get(self.tier, 0) and not node.pins), node
+        return node
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str) -> None:
+    trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=600, seed=11)))
+    for fraction in (0.02, 0.1):
+        tiers = [("cpu", max(round(fraction * trace.unique_blocks), 200))]
+        duel = replay(trace, tiers, _LeafFirstDuel).hit_ratio
+        assert duel == replay(trace, tiers, "duel").hit_ratio
+        assert duel >= replay(trace, tiers, "lru").hit_ratio - 0.002, (preset, fraction)
+
+
+def test_multi_tier_replay_keeps_every_tier_leaf_first() -> None:
+    trace = compile_trace("chat", generate(replace(PRESETS["chat"], num_requests=400, seed=5)))
+    result = replay(trace, [("gpu", 150), ("cpu", 600)], _LeafFirstDuel)
+    assert result.tier_hits["gpu"] > 0 and result.tier_hits["cpu"] > 0
+
+
+@pytest.mark.parametrize("preset", ["chat", "high"])
+def test_a_shadow_cache_hits_what_the_tier_hits(preset: str) -> None:
+    # The shadow of a leaf-first LRU, fed the tier's references, counts exactly the hits the
+    # real tier (index, placement, pins) serves: the duel compares like with like.
+    trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=400, seed=3)))
+    capacity = max(round(0.05 * trace.unique_blocks), 200)
+    shadow_hits = []
+
+    class Tapped(LRUPrefixPolicy):
+        def __init__(self, tier: str):
+            super().__init__(tier)
+            self.shadow, self.tick, self.hits = ShadowCache(tier, LRUPrefixPolicy), 0, 0
+            shadow_hits.append(self)
+
+        def insert(self, node: Node) -> None:
+            self.tick += 1
+            super().insert(node)
+            self.hits += self.shadow.reference(node, self.tick, capacity)
+
+        def touch(self, node: Node) -> None:
+            super().touch(node)
+            self.hits += self.shadow.reference(node, self.tick, capacity)
+
+    result = replay(trace, [("cpu", capacity)], Tapped)
+    assert result.hit_blocks > 0
+    assert shadow_hits[0].hits == result.hit_blocks
+    assert len(shadow_hits[0].shadow) <= capacity
