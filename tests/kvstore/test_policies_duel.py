@@ -1,6 +1,7 @@
-"""`duel`: the default policy follows whichever of `lru-tail` and `arc-tail` its shadow caches
+"""`duel`: the default policy follows whichever of `lru-tail` and `seen-before` its shadow caches
 say hits more on the tier's own traffic; what a user sees is LRU-like hits where fresh pages are
-reused once, ARC-like hits where a prompt recurs, leaf-first eviction and pins respected."""
+reused once, protection of what comes back where a prompt recurs, leaf-first eviction and pins
+respected. Also `seen-before`'s and `arc-tail`'s memory of evicted keys."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -93,25 +94,26 @@ def test_pinned_pages_are_never_evicted() -> None:
     assert tier.holds(1) and tier.holds(3)
 
 
-@pytest.mark.parametrize("policy", ["arc-tail", "lru-tail"])
-def test_a_key_stored_again_soon_after_eviction_is_protected_in_arc_tail(policy: str) -> None:
-    # arc-tail's ghost: page 1 leaves, comes back while its key is remembered, and is then kept
-    # over the pages that were never served (5 and 6 go first though 1 is older); LRU drops it.
+@pytest.mark.parametrize("policy", ["seen-before", "arc-tail", "lru-tail"])
+def test_a_key_stored_again_soon_after_eviction_is_protected(policy: str) -> None:
+    # seen-before's history (arc-tail's ghost): page 1 leaves, comes back while its key is
+    # remembered, and is then kept over pages that were never seen before (5 and 6 go first
+    # though 1 is older); LRU drops it.
     tier = _Tier(policy, 3)
     for i in (1, 2, 3, 4):
         tier.store(i)
     assert not tier.holds(1)
-    tier.store(1)  # arc-tail: a ghost hit, into the protected segment
+    tier.store(1)  # seen before: into the protected segment
     for i in (5, 6, 7):
         tier.store(i)
     assert tier.holds(7)
-    assert tier.holds(1) == (policy == "arc-tail")
+    assert tier.holds(1) == (policy != "lru-tail")
 
 
-def test_follows_arc_where_a_prompt_recurs_between_one_off_prompts() -> None:
+def test_follows_seen_before_where_a_prompt_recurs_between_one_off_prompts() -> None:
     # Prompt [1, 2] recurs after every 3 one-off single-block prompts; 4 pages of room. LRU drops
-    # block 2 each time (its oldest leaf), arc-tail keeps the served prompt, and the duel, whose
-    # shadows see that, ends up with ARC's hits.
+    # block 2 each time (its oldest leaf), seen-before keeps the recurring prompt, and the duel,
+    # whose shadows see that, ends up with nearly its hits.
     prompts: list[list[int]] = [[1, 2], [1, 2]]
     fresh = 100
     for _ in range(60):
@@ -119,22 +121,22 @@ def test_follows_arc_where_a_prompt_recurs_between_one_off_prompts() -> None:
         fresh += 3
     trace = _trace(*prompts)
     tiers = [("cpu", 4)]
-    lru, arc, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "arc-tail", "duel"))
-    assert arc > lru
-    assert duel > lru + (arc - lru) // 2
+    lru, seen, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "seen-before", "duel"))
+    assert seen > lru
+    assert duel > lru + (seen - lru) // 2
 
 
 def test_follows_lru_where_fresh_pages_are_reused_once() -> None:
     # Chat-like: each conversation's first turn [c, c+1] is reused once by its second turn two
-    # requests later; an early served prompt [1] is never used again. LRU keeps the fresh pages,
-    # the duel must not lose them to ARC's protection of the stale served prompt.
+    # requests later; an early served prompt [1] is never used again. LRU keeps the fresh pages;
+    # seen-before evicts them first (they are new keys) and the duel must not follow it.
     prompts: list[list[int]] = [[1], [1]]
     for c in range(100, 400, 10):
         prompts += [[c, c + 1], [c + 5], [c, c + 1, c + 2]]
     trace = _trace(*prompts)
     tiers = [("cpu", 4)]
-    lru, arc, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "arc-tail", "duel"))
-    assert arc < lru <= duel
+    lru, seen, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "seen-before", "duel"))
+    assert seen < lru <= duel
 
 
 class _LeafFirstDuel(DuelPolicy):
