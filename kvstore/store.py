@@ -453,12 +453,21 @@ class KVStore:
             return
         P = spec.page_size
         n_tokens = len(tb) // TOKEN_BYTES
+        page_bytes = P * TOKEN_BYTES
         with self._lock:
-            match = self._index.match(root_key, tb, P)
-            full = 0  # leading pages of the match that are full pages, used in full
-            while full < len(match.path) and match.path[full].num_tokens == P and (full + 1) * P <= match.matched_tokens:
-                full += 1
-            anchor = match.path[full - 1].key if full else root_key
+            # The leading full pages the tree holds, walked by their tokens: the pages
+            # `PageIndex.match` finds by chained hash (a node's key is the hash of its parent's key
+            # and its tokens), without hashing a prompt that `_fetch` then matches (and hashes)
+            # again; a prompt held in full returns here at the cost of dict lookups.
+            full, anchor = 0, root_key
+            node = self._index.roots.get(root_key)
+            while node is not None and (full + 1) * P <= n_tokens:
+                ptoks = tb[full * page_bytes:(full + 1) * page_bytes]
+                node = next((child for child in node.by_first.get(ptoks[:TOKEN_BYTES], ())
+                             if child.ready and child.tokens == ptoks), None)
+                if node is not None:
+                    full += 1
+                    anchor = node.key
         if full * P >= n_tokens:
             return
         pages: list[tuple[bytes, bytes]] = []  # (key, tokens) of each page probed, in order

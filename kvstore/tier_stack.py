@@ -299,6 +299,10 @@ def byte_tensor(payload: Any) -> torch.Tensor:
     """A uint8 tensor over a record payload, without copying (payloads are only read)."""
     if isinstance(payload, torch.Tensor):
         return payload
+    if isinstance(payload, memoryview) and not payload.readonly:
+        # A Redis value's payload (a view of the buffer it was received into): torch warns only
+        # about read-only buffers, and entering catch_warnings cost three times the wrap itself.
+        return torch.frombuffer(payload, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers: we never write them
         return torch.frombuffer(payload, dtype=torch.uint8)

@@ -144,7 +144,15 @@ def _release(pool: redis.ConnectionPool, conn: Any, *, clean: bool) -> None:
 
 
 def _send(conn: Any, keys: list[bytes], ttl_s: int | None) -> None:
-    if not keys:
-        return
-    commands = [("GETEX", key, "EX", ttl_s) for key in keys] if ttl_s else [("GET", key) for key in keys]
-    conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+    if keys:
+        conn.send_packed_command([pack_gets(keys, ttl_s)], check_health=False)  # a list: it sends each item
+
+
+def pack_gets(keys: list[bytes], ttl_s: int | None) -> bytes:
+    """GET (GETEX ... EX ttl_s) of each key in RESP, the bytes redis-py's `pack_commands` makes,
+    formatted here in one expression per key: redis-py's generic packer measured ~10x slower,
+    a share of a small page's read that pipelining cannot hide."""
+    if ttl_s:
+        tail = b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)
+        return b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%b%b" % (len(key), key, tail) for key in keys)
+    return b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(key), key) for key in keys)
