@@ -61,7 +61,9 @@ async def delete_model(request: web.Request) -> web.Response:
 
 async def attach_shared_memory(request: web.Request) -> web.Response:
     registration = wire.shm_registration(await _body(request))
-    arena = await run_blocking(request, request.app[SHARED_MEMORY].attach, request.transport, registration)
+    arenas = request.app[SHARED_MEMORY]
+    arena = await run_blocking(request, arenas.open, registration)
+    arenas.bind(request.transport, arena)
     return wire.respond(request, {"nbytes": arena.nbytes})
 
 

@@ -116,15 +116,18 @@ class SharedMemoryArenas:
         self.enabled = enabled
         self._by_transport: weakref.WeakKeyDictionary[asyncio.BaseTransport, Arena] = weakref.WeakKeyDictionary()
 
-    def attach(self, transport: asyncio.BaseTransport | None, registration: Registration) -> Arena:
-        """Blocking (opens and maps a file): call it off the event loop."""
+    def open(self, registration: Registration) -> Arena:
+        """Blocking (opens and maps the client's memfd): call it off the event loop."""
         if not self.enabled:
             raise SharedMemoryRefused("shm: shared memory is disabled on this sidecar (--no-shared-memory)", field="shm")
+        return Arena(registration)
+
+    def bind(self, transport: asyncio.BaseTransport | None, arena: Arena) -> None:
+        """On the event loop (the table is the loop's): `arena` serves this connection from now on,
+        replacing an earlier registration of it."""
         if transport is None or transport.is_closing():
             raise SharedMemoryRefused("shm: the connection is closing", field="shm")
-        arena = Arena(registration)
-        self._by_transport[transport] = arena  # replaces an earlier registration of this connection
-        return arena
+        self._by_transport[transport] = arena
 
     def arena(self, transport: asyncio.BaseTransport | None) -> Arena:
         arena = self._by_transport.get(transport) if transport is not None else None
