@@ -6,6 +6,7 @@ handler that grows past ~20 lines is a sign its logic belongs in one of those.
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Any
 
 from aiohttp import web
 
@@ -13,7 +14,6 @@ from api import wire
 from api.context import CONFIG, SHARED_MEMORY, STORE, run_blocking, tenant_of
 from api.metrics import METRICS
 from api.openapi import openapi_document
-from kvstore.results import FetchResult
 
 
 async def _body(request: web.Request) -> dict:
@@ -67,10 +67,17 @@ async def attach_shared_memory(request: web.Request) -> web.Response:
     return wire.respond(request, {"nbytes": arena.nbytes})
 
 
+def _shm_region(request: web.Request, req: wire.TokensRequest) -> Any:
+    """The request's region of its connection's shared memory (a flat uint8 tensor), or None."""
+    if req.shm is None:
+        return None
+    offset, nbytes = req.shm
+    return request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm")
+
+
 def _shm_kv(request: web.Request, req: wire.TokensRequest) -> memoryview:
-    """The request's shared-memory region as bytes (the kv of a store)."""
-    offset, nbytes = req.shm  # type: ignore[misc]
-    return memoryview(request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm").numpy())
+    """The kv bytes of a store that sent them through shared memory."""
+    return memoryview(_shm_region(request, req).numpy())
 
 
 def _inline_store(request: web.Request, nbytes: int) -> bool:
@@ -107,29 +114,20 @@ async def store(request: web.Request) -> web.Response:
 async def fetch(request: web.Request) -> web.StreamResponse:
     req = wire.fetch_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
-
-    into = None
-    if req.shm:
-        offset, nbytes = req.shm
-        into = request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm")
-
-    def answer(result: FetchResult) -> tuple[dict, object]:
-        fields, raw = wire.kv_payload(result.kv)
-        fields = {"matched_tokens": result.matched_tokens, **fields}
-        if into is not None and raw is not None and raw.nbytes and result.kv.data_ptr() == into.data_ptr():
-            return {**fields, "shm": {"offset": req.shm[0], "nbytes": raw.nbytes}}, None  # already in place
-        return fields, raw
-
-    # No I/O and a small copy: cheaper here than the hop to a pool thread and back.
+    into = _shm_region(request, req)  # the client's memory to answer into, if it named some
+    # No I/O and at most inline_copy_bytes to copy: cheaper here than the hop to a pool thread.
     limit = request.app[CONFIG].inline_copy_bytes
     result = kvstore.fetch_in_memory(req.model, req.tokens, max_bytes=limit, start=req.start, tenant=tenant,
                                      into=into) if limit else None
-    if result is None:
-        result = await run_blocking(request, kvstore.fetch, req.model, req.tokens, start=req.start, tenant=tenant, into=into)
-    fields, raw = answer(result)
-    if "shm" in fields:
-        return wire.respond(request, fields)
-    return await wire.respond_kv(request, fields, raw)
+    if result is not None:
+        return await wire.respond_fetch(request, result.matched_tokens, wire.kv_payload(result.kv), req.shm, into)
+
+    def get() -> tuple[int, tuple[dict, object]]:
+        found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+        return found.matched_tokens, wire.kv_payload(found.kv)  # copies a strided kv: off the loop
+
+    matched, payload = await run_blocking(request, get)
+    return await wire.respond_fetch(request, matched, payload, req.shm, into)
 
 
 async def store_chunk(request: web.Request) -> web.Response:

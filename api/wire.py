@@ -274,6 +274,18 @@ def kv_payload(kv: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
     return {"dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, raw
 
 
+async def respond_fetch(request: web.Request, matched_tokens: int, payload: tuple[dict[str, Any], Any],
+                        shm: tuple[int, int] | None, into: Any) -> web.StreamResponse:
+    """A fetch's answer: `shm` instead of `kv` when the store wrote the kv into the client's
+    region `into` (the bytes are already where the client reads them), else `kv` in the body."""
+    fields, raw = payload
+    fields = {"matched_tokens": matched_tokens, **fields}
+    if into is not None and raw is not None and raw.nbytes and raw.ctypes.data == into.data_ptr():
+        assert shm is not None
+        return respond(request, {**fields, "shm": {"offset": shm[0], "nbytes": raw.nbytes}})
+    return await respond_kv(request, fields, raw)
+
+
 async def respond_kv(request: web.Request, fields: dict[str, Any], raw: Any) -> web.StreamResponse:
     """`{**fields, kv}` with kv's bytes written straight to the socket after a hand-built msgpack
     prefix: the tensor's memory is never re-packed (see framing.pack_map_prefix)."""
