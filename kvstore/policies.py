@@ -121,69 +121,38 @@ class LRUTailPolicy(EvictionPolicy):
         return (not node.tail, node.last_access)
 
 
-class ARCPrefixPolicy(EvictionPolicy):
-    """Leaf-first ARC (Megiddo & Modha, FAST '03): admission of one-time pages without a knob.
+class TwoSegmentPolicy(EvictionPolicy):
+    """Leaf-first policy over two segments, each ranked by `segment_policy`: `probation` and
+    `protected`. Subclasses choose the segment a page enters (`insert`) and the order victims are
+    taken in (`victim`); a page served by a fetch while on probation (`Node.hits`, counted once
+    per request by the store) moves to `protected`.
 
-    Most blocks in real traces are used once (a new conversation's own turn, a one-off
-    document), and each would push out a page that is reused. ARC keeps two leaf-first LRU
-    segments: `recent` (pages stored but never served by a fetch: on probation) and `frequent`
-    (pages served at least once), plus ghost lists of the keys each recently evicted. Victims come
-    from `recent` while it is over its target size `p`, else from `frequent`. A page stored again
-    soon after it left `recent` (its key is in the `recent` ghosts) says probation was too short:
-    `p` grows; one whose key is in the `frequent` ghosts says the opposite: `p` shrinks. So the
-    share of the tier given to unproven pages is learnt from the traffic, not set by a constant;
-    with p = 0 new pages are evicted first (they are admitted only to be dropped: the store must
-    hold a page while it is being written, so admission is by probation, not refusal).
-
-    A page whose key is in a ghost list comes back straight into `frequent` (it was reused).
-    Frequency is "served by a fetch" (`Node.hits`, counted once per request by the store), not
-    "touched", because the store touches a hit page twice per request (fetch and store).
-
-    Invariants: every page of the tier is in exactly one segment (`_segment`); ghosts hold keys of
-    pages not in the tier, each list at most as many as the tier holds pages; 0 <= p <= pages.
-    Leaf-first holds across segments (eligibility is the tier's, not the segment's), so a parent in
-    `frequent` with a child on probation waits for the child; a segment whose pages are all
-    parked yields to the other.
+    Invariants: every page of the tier is in exactly one segment (`_segment`); leaf-first holds
+    across segments (eligibility is the tier's, not the segment's), so a protected parent with a
+    child on probation waits for the child, and a segment whose pages are all parked yields.
     """
 
-    name = "arc-prefix"
     leaf_first = True
-    segment_policy: type[EvictionPolicy] = LRUPrefixPolicy  # the order within each segment
+    segment_policy: type[EvictionPolicy] = LRUTailPolicy
 
     def __init__(self, tier: str):
         super().__init__(tier)
-        self.recent = self.segment_policy(tier)  # stored, never served
-        self.frequent = self.segment_policy(tier)  # served by a fetch at least once
+        self.probation = self.segment_policy(tier)
+        self.protected = self.segment_policy(tier)
         self._segment: dict[Node, EvictionPolicy] = {}
-        self._recent_ghosts: OrderedDict[bytes, None] = OrderedDict()
-        self._frequent_ghosts: OrderedDict[bytes, None] = OrderedDict()
-        self.p = 0.0  # target number of pages on probation
 
     def __len__(self) -> int:
         return len(self._segment)
 
-    def insert(self, node: Node) -> None:
-        pages = max(1, len(self._segment))
-        rg, fg = self._recent_ghosts, self._frequent_ghosts
-        if node.key in rg:
-            self.p = min(float(pages), self.p + max(len(fg) / len(rg), 1.0))
-            del rg[node.key]
-            segment = self.frequent
-        elif node.key in fg:
-            self.p = max(0.0, self.p - max(len(rg) / len(fg), 1.0))
-            del fg[node.key]
-            segment = self.frequent
-        else:
-            segment = self.frequent if node.hits else self.recent
+    def _admit(self, node: Node, segment: EvictionPolicy) -> None:
         self._segment[node] = segment
         segment.insert(node)
 
     def touch(self, node: Node) -> None:
         segment = self._segment.get(node)
-        if segment is self.recent and node.hits:
-            self.recent.remove(node)  # served: off probation
-            self._segment[node] = self.frequent
-            self.frequent.insert(node)
+        if segment is self.probation and node.hits:
+            self.probation.remove(node)  # served: off probation
+            self._admit(node, self.protected)
         elif segment is not None:
             segment.touch(node)
 
@@ -193,11 +162,68 @@ class ARCPrefixPolicy(EvictionPolicy):
             segment.update(node)
 
     def remove(self, node: Node) -> None:
+        self._leave(node)
+
+    def _leave(self, node: Node) -> EvictionPolicy | None:
+        """Take `node` out of its segment; -> the segment it was in (None: not held)."""
         segment = self._segment.pop(node, None)
+        if segment is not None:
+            segment.remove(node)
+        return segment
+
+
+class ARCPrefixPolicy(TwoSegmentPolicy):
+    """Leaf-first ARC (Megiddo & Modha, FAST '03): admission of one-time pages without a knob.
+
+    Most blocks in real traces are used once (a new conversation's own turn, a one-off
+    document), and each would push out a page that is reused. ARC keeps two leaf-first LRU
+    segments: `probation` (ARC's recent list: pages stored but never served by a fetch) and
+    `protected` (its frequent list: pages served at least once), plus ghost lists of the keys
+    each recently evicted. Victims come from `probation` while it is over its target size `p`,
+    else from `protected`. A page stored again soon after it left probation (its key is in the
+    recent ghosts) says probation was too short: `p` grows; one whose key is in the frequent ghosts says the opposite: `p` shrinks. So the
+    share of the tier given to unproven pages is learnt from the traffic, not set by a constant;
+    with p = 0 new pages are evicted first (they are admitted only to be dropped: the store must
+    hold a page while it is being written, so admission is by probation, not refusal).
+
+    A page whose key is in a ghost list comes back straight into `protected` (it was reused).
+    Frequency is "served by a fetch" (`Node.hits`, counted once per request by the store), not
+    "touched", because the store touches a hit page twice per request (fetch and store).
+
+    Invariants: every page of the tier is in exactly one segment (`_segment`); ghosts hold keys of
+    pages not in the tier, each list at most as many as the tier holds pages; 0 <= p <= pages.
+    Leaf-first holds across segments (see `TwoSegmentPolicy`).
+    """
+
+    name = "arc-prefix"
+    segment_policy: type[EvictionPolicy] = LRUPrefixPolicy  # the order within each segment
+
+    def __init__(self, tier: str):
+        super().__init__(tier)  # probation: ARC's `recent` (T1); protected: `frequent` (T2)
+        self._recent_ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self._frequent_ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self.p = 0.0  # target number of pages on probation
+
+    def insert(self, node: Node) -> None:
+        pages = max(1, len(self._segment))
+        rg, fg = self._recent_ghosts, self._frequent_ghosts
+        if node.key in rg:
+            self.p = min(float(pages), self.p + max(len(fg) / len(rg), 1.0))
+            del rg[node.key]
+            segment = self.protected
+        elif node.key in fg:
+            self.p = max(0.0, self.p - max(len(rg) / len(fg), 1.0))
+            del fg[node.key]
+            segment = self.protected
+        else:
+            segment = self.protected if node.hits else self.probation
+        self._admit(node, segment)
+
+    def remove(self, node: Node) -> None:
+        segment = self._leave(node)
         if segment is None:
             return
-        segment.remove(node)
-        (self._recent_ghosts if segment is self.recent else self._frequent_ghosts)[node.key] = None
+        (self._recent_ghosts if segment is self.probation else self._frequent_ghosts)[node.key] = None
         limit = len(self._segment)
         for ghosts in (self._recent_ghosts, self._frequent_ghosts):
             while len(ghosts) > limit:
@@ -205,8 +231,8 @@ class ARCPrefixPolicy(EvictionPolicy):
         self.p = min(self.p, float(limit))
 
     def victim(self) -> Node | None:
-        first, second = ((self.recent, self.frequent) if len(self.recent) > self.p
-                         else (self.frequent, self.recent))
+        first, second = ((self.probation, self.protected) if len(self.probation) > self.p
+                         else (self.protected, self.probation))
         node = first.victim()
         return node if node is not None else second.victim()
 
@@ -218,7 +244,7 @@ class ARCTailPolicy(ARCPrefixPolicy):
     segment_policy = LRUTailPolicy
 
 
-class SeenBeforePolicy(EvictionPolicy):
+class SeenBeforePolicy(TwoSegmentPolicy):
     """Leaf-first probation: pages whose key is new to the tier are evicted before the rest.
 
     Most blocks of real traces are used once, and a block used once tells nothing of its future,
@@ -237,18 +263,11 @@ class SeenBeforePolicy(EvictionPolicy):
     """
 
     name = "seen-before"
-    leaf_first = True
     HISTORY_TURNOVERS = 10
 
     def __init__(self, tier: str):
-        super().__init__(tier)
-        self.probation = LRUTailPolicy(tier)  # key not stored here recently, never served
-        self.protected = LRUTailPolicy(tier)
-        self._segment: dict[Node, EvictionPolicy] = {}
+        super().__init__(tier)  # probation: key not stored here recently, never served
         self.history: OrderedDict[bytes, None] = OrderedDict()  # keys stored, oldest first
-
-    def __len__(self) -> int:
-        return len(self._segment)
 
     def insert(self, node: Node) -> None:
         seen = node.key in self.history
@@ -257,28 +276,7 @@ class SeenBeforePolicy(EvictionPolicy):
         limit = self.HISTORY_TURNOVERS * max(1, len(self._segment) + 1)
         while len(self.history) > limit:
             self.history.popitem(last=False)
-        segment = self.protected if seen or node.hits else self.probation
-        self._segment[node] = segment
-        segment.insert(node)
-
-    def touch(self, node: Node) -> None:
-        segment = self._segment.get(node)
-        if segment is self.probation and node.hits:
-            self.probation.remove(node)  # served: off probation
-            self._segment[node] = self.protected
-            self.protected.insert(node)
-        elif segment is not None:
-            segment.touch(node)
-
-    def update(self, node: Node) -> None:
-        segment = self._segment.get(node)
-        if segment is not None:
-            segment.update(node)
-
-    def remove(self, node: Node) -> None:
-        segment = self._segment.pop(node, None)
-        if segment is not None:
-            segment.remove(node)
+        self._admit(node, self.protected if seen or node.hits else self.probation)
 
     def victim(self) -> Node | None:
         node = self.probation.victim()
