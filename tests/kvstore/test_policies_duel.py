@@ -139,31 +139,6 @@ def test_follows_lru_where_fresh_pages_are_reused_once() -> None:
     assert seen < lru <= duel
 
 
-class _LeafFirstDuel(DuelPolicy):
-    """Asserts at every eviction that the victim has no descendant in the tier and no pin."""
-
-    def victim(self) -> Node | None:
-        node = super().victim()
-        assert node is None or (not node.tier_kids.get(self.tier, 0) and not node.pins), node
-        return node
-
-
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str) -> None:
-    trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=600, seed=11)))
-    for fraction in (0.02, 0.1):
-        tiers = [("cpu", max(round(fraction * trace.unique_blocks), 200))]
-        duel = replay(trace, tiers, _LeafFirstDuel).hit_ratio
-        assert duel == replay(trace, tiers, "duel").hit_ratio
-        assert duel >= replay(trace, tiers, "lru").hit_ratio - 0.002, (preset, fraction)
-
-
-def test_multi_tier_replay_keeps_every_tier_leaf_first() -> None:
-    trace = compile_trace("chat", generate(replace(PRESETS["chat"], num_requests=400, seed=5)))
-    result = replay(trace, [("gpu", 150), ("cpu", 600)], _LeafFirstDuel)
-    assert result.tier_hits["gpu"] > 0 and result.tier_hits["cpu"] > 0
-
-
 @pytest.mark.parametrize("preset", ["chat", "high"])
 def test_a_shadow_cache_hits_what_the_tier_hits(preset: str) -> None:
     # The shadow of a leaf-first LRU, fed the tier's references, counts exactly the hits the

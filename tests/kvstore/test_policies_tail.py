@@ -10,7 +10,7 @@ import pytest
 from bench.replay import compile_trace, replay
 from bench.traces import PRESETS, Request, generate
 from kvstore.index import Node
-from kvstore.policies import POLICIES, LRUTailPolicy
+from kvstore.policies import POLICIES
 
 
 def _trace(*prompts: list[int]):
@@ -27,31 +27,32 @@ def test_a_continued_conversation_outlives_request_ends() -> None:
     assert replay(trace, tiers, "lru-tail").hit_blocks == replay(trace, tiers, "lru-prefix").hit_blocks + 1
 
 
-class _LeafFirstCheck(LRUTailPolicy):
-    """Asserts at every eviction that the victim has no descendant in the tier."""
+def _leaf_first_checked(name: str) -> type:
+    """Policy `name`, asserting at every eviction that the victim has no descendant in the tier
+    and no pin."""
 
-    def victim(self) -> Node | None:
-        node = super().victim()
-        assert node is None or not node.tier_kids.get(self.tier, 0), node
-        assert node is None or node in self._live
-        return node
+    class Checked(POLICIES[name]):  # type: ignore[misc, valid-type]
+        def victim(self) -> Node | None:
+            node = super().victim()
+            assert node is None or (not node.tier_kids.get(self.tier, 0) and not node.pins), node
+            return node
+
+    return Checked
 
 
+@pytest.mark.parametrize("policy", ["lru-tail", "duel"])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str) -> None:
+def test_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str, policy: str) -> None:
     trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=600, seed=11)))
     for fraction in (0.02, 0.1):
         tiers = [("cpu", max(round(fraction * trace.unique_blocks), 200))]
-        tail = replay(trace, tiers, _LeafFirstCheck).hit_ratio
-        assert tail == replay(trace, tiers, "lru-tail").hit_ratio
-        assert tail >= replay(trace, tiers, "lru").hit_ratio - 0.002, (preset, fraction)
+        checked = replay(trace, tiers, _leaf_first_checked(policy)).hit_ratio
+        assert checked == replay(trace, tiers, policy).hit_ratio
+        assert checked >= replay(trace, tiers, "lru").hit_ratio - 0.002, (preset, fraction)
 
 
-def test_multi_tier_replay_keeps_every_tier_leaf_first() -> None:
+@pytest.mark.parametrize("policy", ["lru-tail", "duel"])
+def test_multi_tier_replay_keeps_every_tier_leaf_first(policy: str) -> None:
     trace = compile_trace("chat", generate(replace(PRESETS["chat"], num_requests=400, seed=5)))
-    result = replay(trace, [("gpu", 150), ("cpu", 600)], lambda tier: _LeafFirstCheck(tier))
+    result = replay(trace, [("gpu", 150), ("cpu", 600)], _leaf_first_checked(policy))
     assert result.tier_hits["gpu"] > 0 and result.tier_hits["cpu"] > 0
-
-
-def test_registered() -> None:
-    assert POLICIES["lru-tail"] is LRUTailPolicy
