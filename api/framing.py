@@ -143,7 +143,7 @@ def _unpack_small(buf: memoryview) -> dict[str, Any]:
         if not isinstance(exc.unpacked, dict):
             raise FramingError("expected a msgpack map at the top level") from None
         raise FramingError(f"{len(exc.extra)} trailing bytes after the msgpack map") from None
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # TypeError: a map key that is a list or map
         raise FramingError(f"malformed msgpack: {exc}") from None
     if not isinstance(obj, dict):
         raise FramingError("expected a msgpack map at the top level")
@@ -159,7 +159,7 @@ def _unpack(data: memoryview) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
                                max_map_len=MAX_MAP_LEN)
-    except (ValueError, msgpack.UnpackException) as exc:  # bad utf-8, ext types, ...
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # bad utf-8, ext types, unhashable keys
         raise FramingError(f"malformed msgpack: {exc}") from None
 
 

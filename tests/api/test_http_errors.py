@@ -29,6 +29,8 @@ async def assert_nothing_stored(http, tokens: list[int]) -> None:
     (b"", "empty body"),
     (b"\x81\xa5model\xa1m\xff\xff", "trailing bytes"),
     (b"\x81\x01\xa1m", "int key"),
+    (b"\x81\x91\x01\x01", "array key"),
+    (b"\x81\xa5model\x81\x91\x01\x01", "nested map with an array key (unhashable)"),
 ])
 async def test_malformed_msgpack_is_400(http_model, raw: bytes, reason: str):
     assert_error(await call(http_model, "POST", "/v1/lookup", raw=raw), 400, "invalid_request", "body")
