@@ -18,7 +18,7 @@ import torch
 
 from api.framing import FramingError, pack_map_prefix, unpack_map
 from kvstore.codecs import TORCH_DTYPES
-from kvstore.config import ModelSpec
+from kvstore.config import DTYPE_BYTES, ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 
@@ -81,10 +81,10 @@ def store_shm_body(model: str, tokens: Any, dtype: str, start: int, shm: tuple[i
 
 def bytes_per_token(obj: dict[str, Any]) -> int | None:
     """KV bytes per token of a fetch answer's model (from its dtype and shape), None without KV."""
-    shape, dtype = obj.get("shape"), TORCH_DTYPES.get(obj.get("dtype", ""))
-    if not shape or dtype is None or len(shape) != 5 or not shape[2]:
+    shape, dtype_bytes = obj.get("shape"), DTYPE_BYTES.get(obj.get("dtype", ""))
+    if not shape or dtype_bytes is None or len(shape) != 5 or not shape[2]:
         return None
-    return shape[0] * shape[1] * shape[3] * shape[4] * torch.empty(0, dtype=dtype).element_size()
+    return shape[0] * shape[1] * shape[3] * shape[4] * dtype_bytes
 
 
 def store_parts(model: str, tokens: Any, kv: Any, start: int = 0) -> Parts:

@@ -6,7 +6,7 @@ handler that grows past ~20 lines is a sign its logic belongs in one of those.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -99,14 +99,20 @@ async def lookup(request: web.Request) -> web.Response:
 
 async def store(request: web.Request) -> web.Response:
     req = wire.store_request(await _body(request))
-    kvstore, tenant = request.app[STORE], tenant_of(request)
+    return await _store(request, req, lambda kvstore, kv: kvstore.store(
+        req.model, req.tokens, kv, start=req.start, tenant=tenant_of(request)))
 
+
+async def _store(request: web.Request, req: wire.StoreRequest, put_kv: Callable[[Any, Any], Any]) -> web.Response:
+    """Both store routes: the kv (from the body or the client's shared memory) viewed as the
+    model's (L, 2, T, H, D) tensor, then `put_kv(store, kv)`, on the loop when it needs no I/O."""
+    kvstore, tenant = request.app[STORE], tenant_of(request)
     raw = _shm_kv(request, req) if req.shm else req.kv
 
     def put() -> dict:
         spec = kvstore.get_spec(req.model, tenant=tenant)
         kv = wire.kv_tensor(raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
-        return asdict(kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant))
+        return asdict(put_kv(kvstore, kv))
 
     return wire.respond(request, put() if _inline_store(request, raw.nbytes) else await run_blocking(request, put))
 
@@ -131,17 +137,9 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 
 
 async def store_chunk(request: web.Request) -> web.Response:
-    req = wire.chunk_store_request(await _body(request))
-    kvstore, tenant = request.app[STORE], tenant_of(request)
-
-    raw = _shm_kv(request, req) if req.shm else req.kv
-
-    def put() -> dict:
-        spec = kvstore.get_spec(req.model, tenant=tenant)
-        kv = wire.kv_tensor(raw, spec, len(req.tokens), req.dtype)  # (L, 2, T, H, D)
-        return asdict(kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant))
-
-    return wire.respond(request, put() if _inline_store(request, raw.nbytes) else await run_blocking(request, put))
+    req = wire.chunk_store_request(await _body(request))  # start is 0: a chunk is stored whole
+    return await _store(request, req, lambda kvstore, kv: kvstore.store_chunk(
+        req.model, req.tokens, kv, tenant=tenant_of(request)))
 
 
 async def blend(request: web.Request) -> web.StreamResponse:
