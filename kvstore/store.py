@@ -247,7 +247,7 @@ class KVStore:
         promote: list[tuple[Node, torch.Tensor]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
         records: dict[bytes, PageRecord | None] = {}
-        stream = self._tiers.record_batches(reads)
+        stream = self._tiers.record_batches(reads, spec, out, start)  # payloads land in `out` where they can
         try:
             for node, first, used, tier, slot in reads:
                 lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import warnings
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -29,6 +30,7 @@ from kvstore.registry import ModelRegistry
 from tiers.base import PageRecord, TierFull
 from tiers.cpu import CPUTier
 from tiers.disk_cost import disk_record_cost
+from tiers.redis_landing import Landing
 
 log = logging.getLogger("kvstore.store")
 
@@ -153,17 +155,26 @@ class TierStack:
         self.placement.add(node, top, nbytes)
         self.placement.usage[top].promotions += 1
 
-    def record_batches(self, reads: list) -> Iterator[dict[bytes, PageRecord | None]]:
+    def record_batches(self, reads: list, spec: ModelSpec | None = None, out: torch.Tensor | None = None,
+                       start: int = 0) -> Iterator[dict[bytes, PageRecord | None]]:
         """Records of the reads served by record tiers, in order, one dict per batch. A tier
         that batches (Redis: `read_ahead`, pipelined, the next batches in flight while the
         caller decodes this one) gets runs of up to READ_BATCH_BYTES; others one page a call.
+        `out` (L, 2, T, H, D), the answer from token `start` on: a batching tier receives the
+        uncompressed payload of a page read whole straight into its place there (no copy out
+        of a receive buffer); `read_page` then finds it done. Such a page's place in `out`
+        holds garbage if its record is lost: the caller serves only up to the first lost page.
         Outside the lock: the pages are pinned."""
         runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
+        landings: dict[bytes, Landing] = {}
+        answer = _answer_bytes(out) if spec is not None and out is not None else None
         nbytes = 0
-        for node, _, _, tier, slot in reads:
+        for node, first, used, tier, slot in reads:
             if slot is not None:
                 continue
             batching = hasattr(self.record_tiers[tier], "read_ahead")
+            if batching and answer is not None and first >= start and used == node.num_tokens:
+                landings[node.key] = self._landing(spec, node, answer, out.shape[2], first - start)  # type: ignore[arg-type, union-attr]
             if not runs or runs[-1][0] != tier or not batching:
                 runs.append((tier, [[]]))
                 nbytes = 0
@@ -175,7 +186,7 @@ class TierStack:
         for tier, batches in runs:
             record_tier = self.record_tiers[tier]
             if hasattr(record_tier, "read_ahead"):
-                yield from record_tier.read_ahead(batches)
+                yield from record_tier.read_ahead(batches, landings)
             else:
                 yield {batches[0][0]: record_tier.get(batches[0][0])}
 
@@ -190,8 +201,11 @@ class TierStack:
         if slot is not None:
             data = slot[:codec.encoded_bytes(spec, n)]
         else:
-            if record is None or record.shape != spec.kv_shape(n) or bytes(record.tokens) != node.tokens:
+            if record is None or not _describes(spec, node, record):
                 return None
+            if isinstance(record.payload, Landing):  # received into `out` by record_batches
+                assert whole, "record_batches lands only pages read whole"
+                return True
             if record.codec != codec.name:  # sidecars sharing Redis may run different codecs
                 if record.codec not in CODEC_NAMES:
                     return None
@@ -205,6 +219,17 @@ class TierStack:
         page = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype], device=out.device)  # (L, 2, n, H, D)
         codec.decode(spec, data, n, page)
         return page
+
+    def _landing(self, spec: ModelSpec, node: Node, answer: memoryview, answer_tokens: int,
+                 offset: int) -> Landing:
+        """The L x 2 byte slices of the answer (L, 2, answer_tokens, H, D) that hold `node`'s
+        KV from token `offset` on, in the order of an uncompressed payload (L, 2, n, H, D)."""
+        slice_token_bytes = spec.bytes_per_token // (2 * spec.num_layers)  # H * D * itemsize
+        row_bytes = answer_tokens * slice_token_bytes  # one (layer, K or V) of the answer
+        lo = offset * slice_token_bytes
+        hi = lo + node.num_tokens * slice_token_bytes
+        chunks = tuple([answer[r:r + hi - lo] for r in range(lo, 2 * spec.num_layers * row_bytes, row_bytes)])
+        return Landing(chunks, partial(_lands_raw, spec, node))
 
     # -- TierMover: Placement calls these under the store lock ---------------------------
     def copy_down(self, node: Node, src: str, dst: str) -> bool:
@@ -293,6 +318,26 @@ class TierStack:
                 saved += 1
         if saved:
             log.info("close: %d memory-only pages written to disk", saved)
+
+
+def _describes(spec: ModelSpec, node: Node, record: PageRecord) -> bool:
+    """The record is `node`'s page: a shared tier's key is found by hash, so a collision or a
+    foreign value must be a miss, never wrong KV."""
+    return record.shape == spec.kv_shape(node.num_tokens) and bytes(record.tokens) == node.tokens
+
+
+def _lands_raw(spec: ModelSpec, node: Node, record: PageRecord) -> bool:
+    """A record header whose payload may go straight into the answer: `node`'s page, its
+    payload the raw KV bytes (L, 2, n, H, D) in the answer's dtype."""
+    return record.codec == "none" and record.dtype == spec.dtype and _describes(spec, node, record)
+
+
+def _answer_bytes(out: torch.Tensor) -> memoryview | None:
+    """A writable byte view of a fetch answer, or None where payloads cannot be received into
+    it (on a GPU, or not one contiguous block)."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
+        return None
+    return memoryview(out.view(-1).view(torch.uint8).numpy())
 
 
 def byte_tensor(payload: Any) -> torch.Tensor:

@@ -7,7 +7,9 @@ share (DESIGN §5). It is the bottom tier; the store decides what goes here and 
   deleted and counted.
 - Reads (`get_many`, `read_ahead`, `probe`) are pipelined GET / EXISTS, one round trip per batch;
   GET replies are received straight into one buffer per value (tiers/redis_reader.py, not
-  redis-py's parser) and the record is decoded from there. Writes and deletes go through a
+  redis-py's parser) and the record is decoded from there, or, for the `landings` a caller
+  gives `read_ahead`, an uncompressed payload straight into the caller's buffers once its
+  header is checked and accepted (tiers/redis_landing.py). Writes and deletes go through a
   write-behind thread (tiers/redis_writer.py) that pipelines them.
 - Capacity is Redis' own: run it with a `maxmemory` and an evicting `maxmemory-policy`
   (allkeys-lru); a page Redis evicted (or whose `redis_ttl_s` ran out) is simply a miss, reported
@@ -23,8 +25,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -35,7 +38,8 @@ from kvstore.config import StoreConfig
 from tiers.base import PageRecord
 from tiers.disk_record import CorruptRecord
 from tiers.redis_conn import FAULTS, LOG_EVERY_S, Breaker, is_cluster_url, make_client
-from tiers.redis_reader import pipelined_gets
+from tiers.redis_landing import Landing, receive_record
+from tiers.redis_reader import Receiver, pipelined_gets
 from tiers.redis_record import decode_value, decode_value_header, encode_value
 from tiers.redis_writer import DELETED, Op, WriteBehind
 
@@ -98,15 +102,18 @@ class RedisTier:
         [results] = self._records([keys], report_missing, ahead=1)
         return results
 
-    def read_ahead(self, batches: list[list[bytes]]) -> Iterator[dict[bytes, PageRecord | None]]:
+    def read_ahead(self, batches: list[list[bytes]],
+                   landings: Mapping[bytes, Landing] | None = None) -> Iterator[dict[bytes, PageRecord | None]]:
         """`get_many` of each batch, yielded in order as {key: record}, on one connection with
         the GETs of up to READ_AHEAD batches on the wire: Redis sends the next batch while the
-        caller decodes this one."""
-        for b, records in enumerate(self._records(batches, True, READ_AHEAD)):
+        caller decodes this one. `landings`: buffers some keys' payloads go straight into when
+        their headers are accepted (tiers/redis_landing.py); such a record's payload is its
+        Landing. The buffers of a key that comes back otherwise hold garbage."""
+        for b, records in enumerate(self._records(batches, True, READ_AHEAD, landings)):
             yield dict(zip(batches[b], records))
 
-    def _records(self, batches: list[list[bytes]], report_missing: bool,
-                 ahead: int) -> Iterator[list[PageRecord | None]]:
+    def _records(self, batches: list[list[bytes]], report_missing: bool, ahead: int,
+                 landings: Mapping[bytes, Landing] | None = None) -> Iterator[list[PageRecord | None]]:
         """The records of each batch, in order; keys queued in the write-behind are served
         from the queue (or are misses when a DEL is queued) without asking Redis."""
         plan: list[tuple[list[PageRecord | None], list[int]]] = []  # (results, indexes to read) per batch
@@ -120,14 +127,22 @@ class RedisTier:
                 elif queued is not DELETED:
                     results[i] = queued  # type: ignore[assignment]
             plan.append((results, wire))
-        stream = self._values([[keys[i] for i in wire] for keys, (_, wire) in zip(batches, plan)], ahead)
+        wire_keys = [[keys[i] for i in wire] for keys, (_, wire) in zip(batches, plan)]
+        receivers = None
+        if landings and not self.cluster:
+            receivers = [[self._receiver(key, landings.get(key)) for key in keys] for keys in wire_keys]
+        stream = self._values(wire_keys, ahead, receivers)
         for (results, wire), keys, values in zip(plan, batches, stream):
             if values is None:  # Redis unreachable: misses, and the copies may still be there later
                 yield results
                 continue
             missing = []
             for i, value in zip(wire, values):
-                if isinstance(value, (torch.Tensor, bytes, bytearray, memoryview)):
+                if isinstance(value, PageRecord):  # received into its Landing, checksum verified
+                    results[i] = value
+                elif isinstance(value, CorruptRecord):
+                    self._corrupt(keys[i], str(value))
+                elif isinstance(value, (torch.Tensor, bytes, bytearray, memoryview)):
                     try:
                         results[i] = decode_value(value, keys[i])
                     except CorruptRecord as exc:
@@ -139,7 +154,12 @@ class RedisTier:
                 self._lost(missing)
             yield results
 
-    def _values(self, batches: list[list[bytes]], ahead: int) -> Iterator[list[Any] | None]:
+    @staticmethod
+    def _receiver(key: bytes, landing: Landing | None) -> Receiver | None:
+        return None if landing is None else partial(receive_record, key=key, landing=landing)
+
+    def _values(self, batches: list[list[bytes]], ahead: int,
+                receivers: list[list[Receiver | None]] | None = None) -> Iterator[list[Any] | None]:
         """Redis' values of each batch of keys, in order; None for a batch not read because
         Redis is unreachable, slow, or skipped by the breaker."""
         done = 0
@@ -150,7 +170,7 @@ class RedisTier:
                     source: Iterator[list[Any]] = (self._read(client, batch) if batch else [] for batch in batches)
                 else:
                     source = pipelined_gets(client.connection_pool, [[self._prefix + key for key in batch] for batch in batches],
-                                            self._ttl_s, ahead)
+                                            self._ttl_s, ahead, receivers)
                 for values in source:
                     done += 1
                     if done == len(batches):  # before the last yield: a caller need not ask past it

@@ -1,5 +1,5 @@
 """The Redis tier's read path: GET (or GETEX) replies received straight into one fresh buffer
-per value, pipelined in batches on one connection.
+per value, or into buffers the caller gives, pipelined in batches on one connection.
 
 Why not redis-py's own parser: it receives a reply in 64 KiB socket reads, copies each into
 hiredis' buffer and then the whole value into a new bytes object, with three Python calls per
@@ -15,6 +15,10 @@ into the buffer they are decoded from, in as few `recv_into` calls as the kernel
   measured 36 ms, against 13 ms with 4 in flight).
 - A value is a uint8 tensor (value bytes,) the caller may keep; a missing key is None; a
   per-key error reply (WRONGTYPE) is a `redis.ResponseError`, as in redis-py's pipelines.
+- A key may come with a `Receiver` instead, which reads its value from the reader in its own
+  way (`fill`, `fill_chunks`: scattered over many buffers with one `recvmsg_into`, each piece
+  handed on as it lands; `read_bulk` for the rest) and returns what stands for it
+  (tiers/redis_landing.py: a page's payload straight into its place in a fetch answer).
 - A connection left with unread replies (the caller stopped early, a timeout, a malformed
   reply) is disconnected before it goes back to the pool, so no later command reads them.
 
@@ -24,7 +28,8 @@ redis-py for those), retries (the tier's breaker decides what a failure means).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Union
+import ssl
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import redis
 import torch
@@ -32,8 +37,12 @@ import torch
 LINE_BUFFER_BYTES = 1 << 16  # reply headers, nil replies and small values are read through this
 MAX_LINE_BYTES = 1 << 12  # a reply header is "$<length>\r\n" or a short error line
 CRLF = b"\r\n"
+MAX_IOV = 256  # buffers per recvmsg_into call (Linux allows 1024)
 
 Value = Union[torch.Tensor, None, redis.exceptions.ResponseError]
+# Receives one bulk value of the given length from the reader in its own way (into buffers the
+# caller gave, tiers/redis_landing.py) and returns what stands for it in the batch's values.
+Receiver = Callable[["ReplyReader", int], Any]
 
 
 class ReplyReader:
@@ -46,32 +55,38 @@ class ReplyReader:
         self._view = memoryview(self._buf)
         self._start = 0  # unread bytes are self._buf[self._start:self._end]
         self._end = 0
+        # TLS sockets have no recvmsg_into: they fill one chunk per call.
+        self._scatter = hasattr(sock, "recvmsg_into") and not isinstance(sock, ssl.SSLSocket)
 
     @property
     def drained(self) -> bool:
         """Nothing received beyond the replies read (the connection is clean to reuse)."""
         return self._start == self._end
 
-    def read_value(self) -> Value:
+    def read_value(self, receive: Receiver | None = None) -> Value | Any:
+        """The next reply; a bulk value goes to `receive` when given (a fresh tensor if not)."""
         line = self._line()
         kind = line[:1]
         if kind == b"$":
             nbytes = int(line[1:])
-            return None if nbytes < 0 else self._bulk(nbytes)
+            if nbytes < 0:
+                return None
+            return self.read_bulk(nbytes) if receive is None else receive(self, nbytes)
         if kind == b"-":
             return redis.exceptions.ResponseError(line[1:].decode("utf-8", "replace"))
         if kind == b"_":  # RESP3's null, should a URL ask for protocol=3
             return None
         raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:64]!r}")
 
-    def _bulk(self, nbytes: int) -> torch.Tensor:
+    def read_bulk(self, nbytes: int, head: bytes | bytearray = b"") -> torch.Tensor:
+        """The rest of a bulk value of `nbytes` whose first bytes `head` the caller has read
+        already, as one fresh uint8 tensor (value bytes,)."""
         # torch.empty: no zero fill (a bytearray would write every byte once more). The CRLF
         # after the value lands in the buffer too, so the last recv needs no second call.
         value = torch.empty(nbytes + len(CRLF), dtype=torch.uint8)  # (value bytes + 2,)
         dest = memoryview(value.numpy())
-        have = min(self._end - self._start, len(dest))
-        dest[:have] = self._view[self._start:self._start + have]
-        self._start += have
+        dest[:len(head)] = head
+        have = len(head) + self._take(dest[len(head):])
         while have < len(dest):
             got = self._sock.recv_into(dest[have:])
             if not got:
@@ -80,6 +95,61 @@ class ReplyReader:
         if dest[nbytes:] != CRLF:
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
         return value[:nbytes]
+
+    def fill(self, dest: memoryview) -> None:
+        """Fill `dest` with the next bytes of the reply being read."""
+        have = self._take(dest)
+        while have < len(dest):
+            got = self._sock.recv_into(dest[have:])
+            if not got:
+                raise redis.exceptions.ConnectionError("Redis closed the connection mid-reply")
+            have += got
+
+    def fill_chunks(self, chunks: Sequence[memoryview], on_piece: Callable[[memoryview], Any]) -> None:
+        """Fill `chunks` in turn with the next bytes of the reply, calling `on_piece` on each
+        piece in order as it lands (a checksum computed while the bytes are in cache).
+        One `recvmsg_into` fills as many chunks as the kernel has bytes for: a 2 MiB page in
+        64 slices of 32 KiB takes a few calls, not one or more per slice."""
+        i, off = 0, 0  # the next byte goes to chunks[i][off]
+        while i < len(chunks):
+            chunk = chunks[i]
+            if off == len(chunk):  # filled (or empty)
+                i, off = i + 1, 0
+                continue
+            rest = chunk[off:] if off else chunk
+            if self._start < self._end:  # bytes already received with a reply header
+                got = self._take(rest)
+            elif self._scatter:
+                got = self._sock.recvmsg_into([rest, *chunks[i + 1:i + MAX_IOV]])[0]
+            else:
+                got = self._sock.recv_into(rest)
+            if not got:
+                raise redis.exceptions.ConnectionError("Redis closed the connection mid-reply")
+            while got:  # hand each filled piece on, chunk by chunk
+                chunk = chunks[i]
+                room = len(chunk) - off
+                if room <= got:
+                    on_piece(chunk[off:] if off else chunk)
+                    got -= room
+                    i, off = i + 1, 0
+                else:
+                    on_piece(chunk[off:off + got])
+                    off += got
+                    got = 0
+
+    def end_bulk(self) -> None:
+        """Read the CRLF that ends a bulk value whose bytes the caller has read."""
+        crlf = bytearray(len(CRLF))
+        self.fill(memoryview(crlf))
+        if crlf != CRLF:
+            raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
+
+    def _take(self, dest: memoryview) -> int:
+        """Copy into `dest` what is buffered already (up to its length); bytes copied."""
+        have = min(self._end - self._start, len(dest))
+        dest[:have] = self._view[self._start:self._start + have]
+        self._start += have
+        return have
 
     def _line(self) -> bytes:
         while True:
@@ -106,10 +176,11 @@ class ReplyReader:
 
 
 def pipelined_gets(pool: redis.ConnectionPool, batches: list[list[bytes]], ttl_s: int | None,
-                   ahead: int) -> Iterator[list[Value]]:
+                   ahead: int, receivers: list[list[Receiver | None]] | None = None) -> Iterator[list[Value | Any]]:
     """The values of each batch of Redis keys, one list per batch in order, with the GETs of up
     to `ahead` batches (>= 1) on the wire at once. GETEX refreshes a TTL of `ttl_s` seconds on
-    every read (a page in use stays alive). Raises redis-py's connection errors and OSError
+    every read (a page in use stays alive). `receivers`, shaped as `batches`: who receives each
+    key's value (None: a fresh tensor). Raises redis-py's connection errors and OSError
     (socket timeouts included) when Redis is unreachable or slow."""
     assert ahead >= 1
     if not batches:
@@ -125,7 +196,10 @@ def pipelined_gets(pool: redis.ConnectionPool, batches: list[list[bytes]], ttl_s
                 sent += 1
             if reader is None:
                 reader = ReplyReader(conn._sock)  # after a send: that connects a dropped connection
-            values = [reader.read_value() for _ in batch]
+            if receivers is None:
+                values = [reader.read_value() for _ in batch]
+            else:
+                values = [reader.read_value(receive) for receive in receivers[i]]
             if i == len(batches) - 1:
                 # Give the connection back before the last yield: a caller that has what it
                 # asked for need not resume this generator.

@@ -1,0 +1,79 @@
+"""A Redis page record received with its payload straight in the caller's buffers.
+
+A fetch answer is (L, 2, T, H, D); one page's KV in it is L x 2 contiguous slices, and an
+uncompressed record's payload is those same slices back to back. Receiving the payload into
+them skips a 2 MiB page's copy out of a fresh buffer (and that buffer's allocation): the bytes
+go from the socket to where the caller returns them, and the checksum is computed over each
+piece as it lands, while it is in cache.
+
+- `Landing(chunks, accepts)`: where a payload goes, and the caller's decision on the header
+  (the tier does not know pages: the store's tier stack says which record fits which slices).
+- `receive_record(reader, nbytes, key, landing)`, a `Receiver` for tiers/redis_reader.py: reads
+  the value's length field and header first; when the header is intact, uncompressed, sized
+  exactly for the chunks and accepted, receives the payload into them and returns the record
+  with `payload=landing`, or a `CorruptRecord` (returned, not raised: the pipeline goes on) when
+  the payload fails its checksum. Anything else (zstd, a foreign, truncated or malformed value,
+  another page's size) is received as today, into one fresh tensor, for `decode_value` to judge.
+
+The chunks hold whatever arrived even when the record is then rejected: the caller must treat
+them as garbage unless it got the record back (the store serves a fetch only up to the first
+page it lost). What it does not do: talk RESP (the reader does) or decode compressed payloads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import xxhash
+
+from tiers.base import PageRecord
+from tiers.disk_record import CorruptRecord, decode_header, header_to_record
+from tiers.redis_record import LENGTH_BYTES
+
+if TYPE_CHECKING:  # the store's tier stack imports Landing without loading redis-py
+    import torch
+
+    from tiers.redis_reader import ReplyReader
+
+MAX_LANDING_HEADER_BYTES = 1 << 20  # a page's header is its token ids plus ~150 bytes
+
+
+@dataclass(frozen=True)
+class Landing:
+    chunks: tuple[memoryview, ...]  # writable byte views, filled in order
+    accepts: Callable[[PageRecord], bool]  # the header (payload None): receive into chunks?
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self.chunks))
+
+
+def receive_record(reader: ReplyReader, nbytes: int, key: bytes,
+                   landing: Landing) -> PageRecord | CorruptRecord | torch.Tensor:
+    """The value of `key` (a bulk reply of `nbytes`), its payload received into `landing` when
+    the header allows: the landed record, a CorruptRecord, or the whole value as a tensor."""
+    if nbytes < LENGTH_BYTES:
+        return reader.read_bulk(nbytes)
+    head = bytearray(LENGTH_BYTES)
+    reader.fill(memoryview(head))
+    header_bytes = int.from_bytes(head, "little")
+    payload_bytes = nbytes - LENGTH_BYTES - header_bytes
+    if header_bytes > MAX_LANDING_HEADER_BYTES or payload_bytes != landing.nbytes:
+        return reader.read_bulk(nbytes, head)
+    head += bytes(header_bytes)
+    reader.fill(memoryview(head)[LENGTH_BYTES:])
+    try:
+        header = decode_header(bytes(head[LENGTH_BYTES:]), key)
+    except CorruptRecord:
+        return reader.read_bulk(nbytes, head)  # decode_value says why
+    record = header_to_record(header)
+    if header["comp"] != "none" or header["size"] != payload_bytes or not landing.accepts(record):
+        return reader.read_bulk(nbytes, head)
+    # The streaming form of disk_record.payload_checksum (xxh3-64): same digest, piece by piece.
+    digest = xxhash.xxh3_64()
+    reader.fill_chunks(landing.chunks, digest.update)
+    reader.end_bulk()
+    if digest.intdigest() != header["checksum"]:
+        return CorruptRecord("payload checksum mismatch")
+    return dataclasses.replace(record, payload=landing)
