@@ -289,13 +289,13 @@ class DuelPolicy(EvictionPolicy):
     No single rule wins on every traffic: `seen-before` protects pages whose key comes back,
     which pays where prompts recur many times (the Mooncake sample), and loses where what matters
     is the first reuse of fresh pages (chat: turn N+1 reuses turn N's prompt once; documents with
-    one follow-up); `lru-tail` is the reverse. So this policy keeps both rankings over the tier's
-    pages and, beside them, one keys-only `ShadowCache` per candidate that replays the tier's own
-    reference stream at the tier's size. Each reference one shadow hits and the other misses
-    moves `score` towards the one that hit; victims come from the candidate `score` favours
-    (`lru-tail` on a tie: it is never below LRU on the traces we have).
+    one follow-up); `lru-tail` is the reverse. So this policy keeps every candidate's ranking of
+    the tier's pages and, beside them, one keys-only `ShadowCache` per candidate that replays the
+    tier's own reference stream at the tier's size. Each candidate's `scores` entry counts its
+    shadow's hits, decayed; victims come from the candidate with the highest score (the first,
+    `lru-tail`, on a tie: it is never below LRU on the traces we have).
 
-    `score` decays by 1/(HORIZON_TURNOVERS x pages) per reference, so it compares the last
+    Scores decay by 1/(HORIZON_TURNOVERS x pages) per reference, so they compare the last
     ~16 turnovers of the tier: a switch takes about one turnover to change what the tier holds,
     so the comparison must span many of them or the tier follows neither candidate (measured
     with `arc-tail` as the second candidate: with 4 the tier lost to both on the `docs` preset
@@ -303,16 +303,22 @@ class DuelPolicy(EvictionPolicy):
     has filled); a page stored and used in one request is one reference (`tick` counts the pages
     stored into the tier, and none is stored between a request's fetch and its store).
 
-    Invariants: both candidates rank exactly the tier's pages (every call goes to both); each
-    shadow holds at most `capacity_pages` keys; leaf-first and pins hold because the victim is
-    always one candidate's, and both are leaf-first. Cost: three rankings, two shadows' keys and
-    two key histories (`seen-before`'s, 10 x pages each) per tier instead of one ranking.
+    With SAMPLE > 1 only keys whose last byte is 0 mod SAMPLE (blake2b: a uniform 1/SAMPLE of
+    them) go through the shadows, each at 1/SAMPLE of the tier's size, as set dueling samples
+    sets: the shadows cost 1/SAMPLE, and a shadow page whose parent is not sampled is a root of
+    its own (leaf-first holds within the sample only).
+
+    Invariants: every candidate ranks exactly the tier's pages (every call goes to all); each
+    shadow holds at most `capacity_pages` / SAMPLE keys; leaf-first and pins hold because the
+    victim is always one candidate's, and all are leaf-first. Cost: one ranking per candidate
+    plus the shadows' keys (and their own key histories) per tier instead of one ranking.
     """
 
     name = "duel"
     leaf_first = True
     HORIZON_TURNOVERS = 16
-    candidates: tuple[type[EvictionPolicy], type[EvictionPolicy]] = (LRUTailPolicy, SeenBeforePolicy)
+    SAMPLE = 1
+    candidates: tuple[type[EvictionPolicy], ...] = (LRUTailPolicy, SeenBeforePolicy)
 
     def __init__(self, tier: str):
         super().__init__(tier)
@@ -320,21 +326,29 @@ class DuelPolicy(EvictionPolicy):
         self.shadows = [ShadowCache(tier, make) for make in self.candidates]
         self.capacity_pages = 0  # the most pages the tier has held
         self.tick = 0
-        self.score = 0.0  # > 0: the second candidate has been hitting more
+        self.scores = [0.0] * len(self.candidates)  # decayed shadow hits per candidate
+        self._leader = 0
 
     def __len__(self) -> int:
         return len(self.rankings[0])
 
     @property
     def leader(self) -> EvictionPolicy:
-        return self.rankings[1 if self.score > 0 else 0]
+        return self.rankings[self._leader]
 
     def _reference(self, node: Node) -> None:
-        capacity = max(1, self.capacity_pages)
-        first, second = (shadow.reference(node, self.tick, capacity) for shadow in self.shadows)
-        if first != second:
-            self.score += 1.0 if second else -1.0
-        self.score *= 1.0 - 1.0 / (self.HORIZON_TURNOVERS * capacity)
+        if self.SAMPLE > 1 and node.key[-1] % self.SAMPLE:
+            return
+        capacity = max(1, self.capacity_pages // self.SAMPLE)
+        keep = 1.0 - 1.0 / (self.HORIZON_TURNOVERS * capacity)
+        scores = self.scores
+        for i, shadow in enumerate(self.shadows):
+            scores[i] = (scores[i] + shadow.reference(node, self.tick, capacity)) * keep
+        best = 0
+        for i in range(1, len(scores)):
+            if scores[i] > scores[best]:
+                best = i
+        self._leader = best
 
     def insert(self, node: Node) -> None:
         self.tick += 1
@@ -360,6 +374,9 @@ class DuelPolicy(EvictionPolicy):
         return self.leader.victim()
 
 
+# The frequency-aware candidates build on the classes above (kvstore/policy_frequency.py).
+from kvstore.policy_frequency import FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy  # noqa: E402
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     LRUPrefixPolicy.name: LRUPrefixPolicy,
@@ -368,4 +385,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     ARCTailPolicy.name: ARCTailPolicy,
     SeenBeforePolicy.name: SeenBeforePolicy,
     DuelPolicy.name: DuelPolicy,
+    SeenOftenPolicy.name: SeenOftenPolicy,
+    SeenLearnedPolicy.name: SeenLearnedPolicy,
+    FrequencyDuelPolicy.name: FrequencyDuelPolicy,
 }
