@@ -5,8 +5,9 @@ redis-py GET of the same value, and a multi-page fetch pipelined against page-by
 
 Without --redis-url it starts its own redis-server on a free loopback port (needs redis-server
 on PATH). The store is Redis-only (no CPU or disk tier), so every fetch reads Redis; the
-tier's cost over the raw GET is the record's checksum, header and the copy into the output
-tensor (its GET reply reader, tiers/redis_reader.py, copies less than redis-py's). "Page by
+tier's cost over the raw GET is the record's header and checksum and the store's own work: the
+payload is received straight into the output tensor (tiers/redis_landing.py), where redis-py
+copies the value out of hiredis' buffer into a new bytes object. "Page by
 page" is the tier itself with one GET per round trip on one connection, each page read and
 decoded before the next GET is sent; "raw GET per page" is redis-py's client doing the same
 (an engine without batching). Speeds are ratios measured in the same run, interleaved (machines here are shared and

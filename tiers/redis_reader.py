@@ -111,7 +111,8 @@ class ReplyReader:
         One `recvmsg_into` fills as many chunks as the kernel has bytes for: a 2 MiB page in
         64 slices of 32 KiB takes a few calls, not one or more per slice."""
         i, off = 0, 0  # the next byte goes to chunks[i][off]
-        while i < len(chunks):
+        left = sum(map(len, chunks))  # bytes still to come
+        while left:
             chunk = chunks[i]
             if off == len(chunk):  # filled (or empty)
                 i, off = i + 1, 0
@@ -120,11 +121,22 @@ class ReplyReader:
             if self._start < self._end:  # bytes already received with a reply header
                 got = self._take(rest)
             elif self._scatter:
-                got = self._sock.recvmsg_into([rest, *chunks[i + 1:i + MAX_IOV]])[0]
+                iov = [rest, *chunks[i + 1:i + MAX_IOV]]
+                tail = i + MAX_IOV >= len(chunks)
+                if tail:
+                    # What follows the value (its CRLF, the next replies) goes to the reply
+                    # buffer in the same call: a small page costs one recv, not three.
+                    self._start = self._end = 0
+                    iov.append(self._view)
+                got = self._sock.recvmsg_into(iov)[0]
+                if tail and got > left:
+                    self._end = got - left
+                    got = left
             else:
                 got = self._sock.recv_into(rest)
             if not got:
                 raise redis.exceptions.ConnectionError("Redis closed the connection mid-reply")
+            left -= got
             while got:  # hand each filled piece on, chunk by chunk
                 chunk = chunks[i]
                 room = len(chunk) - off
