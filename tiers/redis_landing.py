@@ -21,7 +21,6 @@ page it lost). What it does not do: talk RESP (the reader does) or decode compre
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -76,4 +75,4 @@ def receive_record(reader: ReplyReader, nbytes: int, key: bytes,
     reader.end_bulk()
     if digest.intdigest() != header["checksum"]:
         return CorruptRecord("payload checksum mismatch")
-    return dataclasses.replace(record, payload=landing)
+    return header_to_record(header, landing)
