@@ -64,7 +64,9 @@ class EvictionPolicy:
             self._push(node)
 
     def update(self, node: Node) -> None:
-        if node in self._live:
+        # Only a parked node needs a new entry: an eligible one's priority has not changed (a
+        # store unpins every page of its request, so re-pushing all of them was most of the work).
+        if self._live.get(node) == -1:
             self._push(node)
 
     def remove(self, node: Node) -> None:
