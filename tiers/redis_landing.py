@@ -54,21 +54,19 @@ def receive_record(reader: ReplyReader, nbytes: int, key: bytes,
     the header allows: the landed record, a CorruptRecord, or the whole value as a tensor."""
     if nbytes < LENGTH_BYTES:
         return reader.read_bulk(nbytes)
-    head = bytearray(LENGTH_BYTES)
-    reader.fill(memoryview(head))
-    header_bytes = int.from_bytes(head, "little")
+    length = reader.read_exact(LENGTH_BYTES)
+    header_bytes = int.from_bytes(length, "little")
     payload_bytes = nbytes - LENGTH_BYTES - header_bytes
     if header_bytes > MAX_LANDING_HEADER_BYTES or payload_bytes != landing.nbytes:
-        return reader.read_bulk(nbytes, head)
-    head += bytes(header_bytes)
-    reader.fill(memoryview(head)[LENGTH_BYTES:])
+        return reader.read_bulk(nbytes, length)
+    header_value = reader.read_exact(header_bytes)
     try:
-        header = decode_header(bytes(head[LENGTH_BYTES:]), key)
+        header = decode_header(header_value, key)
     except CorruptRecord:
-        return reader.read_bulk(nbytes, head)  # decode_value says why
+        return reader.read_bulk(nbytes, length + header_value)  # decode_value says why
     record = header_to_record(header)
     if header["comp"] != "none" or header["size"] != payload_bytes or not landing.accepts(record):
-        return reader.read_bulk(nbytes, head)
+        return reader.read_bulk(nbytes, length + header_value)
     # The streaming form of disk_record.payload_checksum (xxh3-64): same digest, piece by piece.
     digest = xxhash.xxh3_64()
     reader.fill_chunks(landing.chunks, digest.update)

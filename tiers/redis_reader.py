@@ -96,6 +96,16 @@ class ReplyReader:
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
         return value[:nbytes]
 
+    def read_exact(self, nbytes: int) -> bytes:
+        """The next `nbytes` of the reply being read (a value's header: usually buffered already)."""
+        start = self._start
+        if self._end - start >= nbytes:
+            self._start = start + nbytes
+            return bytes(self._view[start:start + nbytes])
+        dest = bytearray(nbytes)
+        self.fill(memoryview(dest))
+        return bytes(dest)
+
     def fill(self, dest: memoryview) -> None:
         """Fill `dest` with the next bytes of the reply being read."""
         have = self._take(dest)
@@ -111,16 +121,27 @@ class ReplyReader:
         One `recvmsg_into` fills as many chunks as the kernel has bytes for: a 2 MiB page in
         64 slices of 32 KiB takes a few calls, not one or more per slice."""
         i, off = 0, 0  # the next byte goes to chunks[i][off]
-        left = sum(map(len, chunks))  # bytes still to come
+        view, start, buffered = self._view, self._start, self._end - self._start
+        while buffered and i < len(chunks):  # first what came with the reply header
+            chunk = chunks[i]
+            take = min(len(chunk), buffered)
+            chunk[:take] = view[start:start + take]
+            on_piece(chunk if take == len(chunk) else chunk[:take])
+            start += take
+            buffered -= take
+            if take == len(chunk):
+                i += 1
+            else:
+                off = take
+        self._start = start
+        left = sum(map(len, chunks[i:])) - off  # bytes still to come from the socket
         while left:
             chunk = chunks[i]
             if off == len(chunk):  # filled (or empty)
                 i, off = i + 1, 0
                 continue
             rest = chunk[off:] if off else chunk
-            if self._start < self._end:  # bytes already received with a reply header
-                got = self._take(rest)
-            elif self._scatter:
+            if self._scatter:
                 iov = [rest, *chunks[i + 1:i + MAX_IOV]]
                 tail = i + MAX_IOV >= len(chunks)
                 if tail:
@@ -151,9 +172,7 @@ class ReplyReader:
 
     def end_bulk(self) -> None:
         """Read the CRLF that ends a bulk value whose bytes the caller has read."""
-        crlf = bytearray(len(CRLF))
-        self.fill(memoryview(crlf))
-        if crlf != CRLF:
+        if self.read_exact(len(CRLF)) != CRLF:
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
 
     def _take(self, dest: memoryview) -> int:
