@@ -13,7 +13,8 @@ piece as it lands, while it is in cache.
   exactly for the chunks and accepted, receives the payload into them and returns the record
   with `payload=landing`, or a `CorruptRecord` (returned, not raised: the pipeline goes on) when
   the payload fails its checksum. Anything else (zstd, a foreign, truncated or malformed value,
-  another page's size) is received as today, into one fresh tensor, for `decode_value` to judge.
+  another page's size) is received as today, into one fresh tensor, for `decode_value` to judge;
+  so is every value on a socket without `recvmsg_into` (TLS).
 
 The chunks hold whatever arrived even when the record is then rejected: the caller must treat
 them as garbage unless it got the record back (the store serves a fetch only up to the first
@@ -52,7 +53,8 @@ def receive_record(reader: ReplyReader, nbytes: int, key: bytes,
                    landing: Landing) -> PageRecord | CorruptRecord | torch.Tensor:
     """The value of `key` (a bulk reply of `nbytes`), its payload received into `landing` when
     the header allows: the landed record, a CorruptRecord, or the whole value as a tensor."""
-    if nbytes < LENGTH_BYTES:
+    if nbytes < LENGTH_BYTES or not reader.scatters:
+        # Without recvmsg_into (TLS) a recv per slice measured slower than the copy it saves.
         return reader.read_bulk(nbytes)
     length = reader.read_exact(LENGTH_BYTES)
     header_bytes = int.from_bytes(length, "little")

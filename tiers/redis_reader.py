@@ -55,8 +55,8 @@ class ReplyReader:
         self._view = memoryview(self._buf)
         self._start = 0  # unread bytes are self._buf[self._start:self._end]
         self._end = 0
-        # TLS sockets have no recvmsg_into: they fill one chunk per call.
-        self._scatter = hasattr(sock, "recvmsg_into") and not isinstance(sock, ssl.SSLSocket)
+        # TLS sockets have no recvmsg_into (fill_chunks needs it).
+        self.scatters = hasattr(sock, "recvmsg_into") and not isinstance(sock, ssl.SSLSocket)
 
     @property
     def drained(self) -> bool:
@@ -119,7 +119,8 @@ class ReplyReader:
         """Fill `chunks` in turn with the next bytes of the reply, calling `on_piece` on each
         piece in order as it lands (a checksum computed while the bytes are in cache).
         One `recvmsg_into` fills as many chunks as the kernel has bytes for: a 2 MiB page in
-        64 slices of 32 KiB takes a few calls, not one or more per slice."""
+        64 slices of 32 KiB takes a few calls, not one or more per slice. Needs `scatters`."""
+        assert self.scatters, "fill_chunks needs a socket with recvmsg_into"
         i, off = 0, 0  # the next byte goes to chunks[i][off]
         view, start, buffered = self._view, self._start, self._end - self._start
         while buffered and i < len(chunks):  # first what came with the reply header
@@ -140,21 +141,17 @@ class ReplyReader:
             if off == len(chunk):  # filled (or empty)
                 i, off = i + 1, 0
                 continue
-            rest = chunk[off:] if off else chunk
-            if self._scatter:
-                iov = [rest, *chunks[i + 1:i + MAX_IOV]]
-                tail = i + MAX_IOV >= len(chunks)
-                if tail:
-                    # What follows the value (its CRLF, the next replies) goes to the reply
-                    # buffer in the same call: a small page costs one recv, not three.
-                    self._start = self._end = 0
-                    iov.append(self._view)
-                got = self._sock.recvmsg_into(iov)[0]
-                if tail and got > left:
-                    self._end = got - left
-                    got = left
-            else:
-                got = self._sock.recv_into(rest)
+            iov = [chunk[off:] if off else chunk, *chunks[i + 1:i + MAX_IOV]]
+            tail = i + MAX_IOV >= len(chunks)
+            if tail:
+                # What follows the value (its CRLF, the next replies) goes to the reply buffer
+                # in the same call: a small page costs one recv, not three.
+                self._start = self._end = 0
+                iov.append(self._view)
+            got = self._sock.recvmsg_into(iov)[0]
+            if tail and got > left:
+                self._end = got - left
+                got = left
             if not got:
                 raise redis.exceptions.ConnectionError("Redis closed the connection mid-reply")
             left -= got

@@ -2,7 +2,8 @@
 from Redis is bit-exact for every dtype and any start, into a buffer of the caller's or not; a
 page whose header or payload is corrupt, whose value is truncated or foreign, is a miss and the
 pages before it are still served, although its bytes went into the answer's buffer; compressed
-records, records the caller does not accept and sockets without scatter reads keep working."""
+records, records the caller does not accept and sockets without recvmsg_into (TLS) are received
+into a fresh buffer as before."""
 from __future__ import annotations
 
 import socket
@@ -20,7 +21,7 @@ import kvstore.tier_stack
 from kvstore import KVStore, ModelSpec, StoreConfig
 from kvstore.keys import namespace_key, prefix_keys, tokens_bytes
 from tiers.base import PageRecord
-from tiers.redis_landing import Landing
+from tiers.redis_landing import Landing, receive_record
 from tiers.redis_reader import ReplyReader
 from tiers.redis_record import encode_value
 
@@ -167,15 +168,7 @@ def test_the_tier_lands_a_payload_only_where_the_caller_accepts_its_header(redis
         tier.close()
 
 
-class RecvIntoOnly:
-    """A socket as a TLS one looks to the reader: no recvmsg_into."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.recv_into = sock.recv_into
-
-
-@pytest.mark.parametrize("scatter", [True, False])
-def test_chunked_bulk_values_arrive_whole_in_order_and_leave_the_stream_in_step(scatter: bool):
+def test_chunked_bulk_values_arrive_whole_in_order_and_leave_the_stream_in_step():
     payload = torch.randint(0, 256, (300_001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4)).numpy().tobytes()
     wire = b"$%d\r\n%b\r\n$5\r\nafter\r\n$-1\r\n" % (len(payload), payload)
     ours, theirs = socket.socketpair()
@@ -191,7 +184,7 @@ def test_chunked_bulk_values_arrive_whole_in_order_and_leave_the_stream_in_step(
     sender = threading.Thread(target=send_in_dribbles)
     sender.start()
     try:
-        reader = ReplyReader(ours if scatter else RecvIntoOnly(ours))
+        reader = ReplyReader(ours)
         dest = bytearray(len(payload))
         view = memoryview(dest)
         bounds = [0, 1, 1, 4096, 70_001, 200_000, len(payload)]  # one empty chunk, odd sizes
@@ -226,3 +219,27 @@ def test_a_value_cut_short_by_a_closed_connection_is_an_error_not_a_value():
             reader.read_value(lambda rdr, nbytes: rdr.fill_chunks([dest[:500], dest[500:]], lambda piece: None))
     finally:
         ours.close()
+
+
+class RecvIntoOnly:
+    """A socket as a TLS one looks to the reader: no recvmsg_into."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.recv_into = sock.recv_into
+
+
+def test_a_socket_without_recvmsg_into_receives_the_whole_value_into_a_fresh_buffer():
+    rec = record(5, nbytes=1 << 16)
+    value = encode_value(rec, None)
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b"$%d\r\n%b\r\n" % (len(value), value))
+    dest = torch.full((1 << 16,), 7, dtype=torch.uint8)
+    landing = Landing((memoryview(dest.numpy()),), lambda header: True)
+    try:
+        reader = ReplyReader(RecvIntoOnly(ours))
+        got = reader.read_value(lambda rdr, nbytes: receive_record(rdr, nbytes, rec.key, landing))
+        assert isinstance(got, torch.Tensor) and bytes(got.numpy()) == value and reader.drained
+        assert bool((dest == 7).all())  # nothing landed
+    finally:
+        ours.close()
+        theirs.close()
