@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvstore.index import Node
-from kvstore.shadow import ShadowCache
+from kvstore.shadow import ShadowCache, in_sample, sample_rate
 
 
 class EvictionPolicy:
@@ -305,13 +305,14 @@ class DuelPolicy(EvictionPolicy):
     has filled); a page stored and used in one request is one reference (`tick` counts the pages
     stored into the tier, and none is stored between a request's fetch and its store).
 
-    With SAMPLE > 1 only keys whose last byte is 0 mod SAMPLE (blake2b: a uniform 1/SAMPLE of
-    them) go through the shadows, each at 1/SAMPLE of the tier's size, as set dueling samples
-    sets: the shadows cost 1/SAMPLE, and a shadow page whose parent is not sampled is a root of
-    its own (leaf-first holds within the sample only).
+    With SAMPLE > 1, once the tier is large enough (`shadow.sample_rate`: every shadow keeps at
+    least MIN_SAMPLED_PAGES pages) only a uniform 1/rate of the keys, rate <= SAMPLE, go through
+    the shadows, each at 1/rate of the tier's size, as set dueling samples sets: the shadows cost
+    1/rate, and a shadow page whose parent is not sampled is a root of its own (leaf-first holds
+    within the sample only).
 
     Invariants: every candidate ranks exactly the tier's pages (every call goes to all); each
-    shadow holds at most `capacity_pages` / SAMPLE keys; leaf-first and pins hold because the
+    shadow holds at most `capacity_pages` / `rate` keys; leaf-first and pins hold because the
     victim is always one candidate's, and all are leaf-first. Cost: one ranking per candidate
     plus the shadows' keys (and their own key histories) per tier instead of one ranking.
     """
@@ -319,7 +320,7 @@ class DuelPolicy(EvictionPolicy):
     name = "duel"
     leaf_first = True
     HORIZON_TURNOVERS = 16
-    SAMPLE = 1
+    SAMPLE = 8  # at most 1/8 of the keys through the shadows (none sampled below 2048 pages)
     candidates: tuple[type[EvictionPolicy], ...] = (LRUTailPolicy, SeenBeforePolicy)
 
     def __init__(self, tier: str):
@@ -330,6 +331,7 @@ class DuelPolicy(EvictionPolicy):
         self.tick = 0
         self.scores = [0.0] * len(self.candidates)  # decayed shadow hits per candidate
         self._leader = 0
+        self.rate = 1  # 1/rate of the keys go through the shadows
 
     def __len__(self) -> int:
         return len(self.rankings[0])
@@ -339,9 +341,9 @@ class DuelPolicy(EvictionPolicy):
         return self.rankings[self._leader]
 
     def _reference(self, node: Node) -> None:
-        if self.SAMPLE > 1 and node.key[-1] % self.SAMPLE:
+        if not in_sample(node.key, self.rate):
             return
-        capacity = max(1, self.capacity_pages // self.SAMPLE)
+        capacity = max(1, self.capacity_pages // self.rate)
         keep = 1.0 - 1.0 / (self.HORIZON_TURNOVERS * capacity)
         scores = self.scores
         for i, shadow in enumerate(self.shadows):
@@ -356,7 +358,9 @@ class DuelPolicy(EvictionPolicy):
         self.tick += 1
         for ranking in self.rankings:
             ranking.insert(node)
-        self.capacity_pages = max(self.capacity_pages, len(self))
+        if len(self) > self.capacity_pages:
+            self.capacity_pages = len(self)
+            self.rate = sample_rate(self.capacity_pages, self.SAMPLE)
         self._reference(node)
 
     def touch(self, node: Node) -> None:

@@ -13,6 +13,13 @@ Invariants:
 - a key is referenced at most once per `tick` (the caller's request-sized unit of time), so a
   fetch and a store of the same page in one request count as one reference, one hit at most.
 
+Sampling (`sample_rate`, `in_sample`): like set dueling in hardware, a duel may send only a
+uniform 1/rate of the keys (keys are blake2b digests: their last byte is uniform) through shadows
+of 1/rate the size. The rate is a power of two, so a key in the 1/8 sample is in the 1/4 one and
+a tier that grows only drops keys from its sample; and it is never so high that a shadow holds
+fewer than MIN_SAMPLED_PAGES pages: on the 600-request presets, 1/8 samples of 150-250 pages let
+`duel-freq` fall 0.006 below `lru` (low preset), the full key set did not.
+
 What it does not model: pins (a shadow page is never pinned; the page being referenced is the
 newest and has its just-referenced parent above it, so neither is a victim while it is added),
 tiers below, bytes (every page is one unit). It imports no torch.
@@ -22,6 +29,22 @@ from __future__ import annotations
 from typing import Callable
 
 from kvstore.index import Node
+
+
+MIN_SAMPLED_PAGES = 1024  # a sampled shadow never holds fewer pages than this (else: sample less)
+
+
+def sample_rate(capacity_pages: int, most: int) -> int:
+    """The largest power of two <= `most` that leaves a shadow of `capacity_pages` / rate at
+    least MIN_SAMPLED_PAGES pages (1: every key)."""
+    rate = 1
+    while rate * 2 <= most and capacity_pages // (rate * 2) >= MIN_SAMPLED_PAGES:
+        rate *= 2
+    return rate
+
+
+def in_sample(key: bytes, rate: int) -> bool:
+    return key[-1] % rate == 0
 
 
 class ShadowPage:

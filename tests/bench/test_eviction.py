@@ -60,7 +60,8 @@ def test_belady_is_at_least_lru_and_lru_prefix(preset: str) -> None:
         tiers = [("cpu", max(round(fraction * trace.unique_blocks), 400))]
         oracle = NextUse()
         best = replay(trace, tiers, lambda tier: BeladyPolicy(tier, oracle), oracle).hit_ratio
-        for policy in ("lru", "lru-prefix", "arc-prefix", "lru-tail", "arc-tail", "seen-before", "duel"):
+        for policy in ("lru", "lru-prefix", "arc-prefix", "lru-tail", "arc-tail", "seen-before", "duel",
+                       "seen-often", "seen-learned", "duel-freq"):
             assert best >= replay(trace, tiers, policy).hit_ratio, (preset, fraction, policy)
 
 

@@ -40,7 +40,7 @@ def _leaf_first_checked(name: str) -> type:
     return Checked
 
 
-@pytest.mark.parametrize("policy", ["lru-tail", "duel"])
+@pytest.mark.parametrize("policy", ["lru-tail", "duel", "duel-freq"])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str, policy: str) -> None:
     trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=600, seed=11)))
@@ -51,7 +51,7 @@ def test_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str, polic
         assert checked >= replay(trace, tiers, "lru").hit_ratio - 0.002, (preset, fraction)
 
 
-@pytest.mark.parametrize("policy", ["lru-tail", "duel"])
+@pytest.mark.parametrize("policy", ["lru-tail", "duel", "duel-freq"])
 def test_multi_tier_replay_keeps_every_tier_leaf_first(policy: str) -> None:
     trace = compile_trace("chat", generate(replace(PRESETS["chat"], num_requests=400, seed=5)))
     result = replay(trace, [("gpu", 150), ("cpu", 600)], _leaf_first_checked(policy))
