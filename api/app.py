@@ -14,6 +14,7 @@ from aiohttp import web
 from api.auth import authenticate, load_auth_file
 from api.config import ServerConfig
 from api.context import AUTH, CONFIG, EXECUTOR, SHARED_MEMORY, STORE
+from api.fast_path import FAST_PATH, FastPath, count_answers
 from api.metrics import METRICS, Metrics, measure
 from api.middleware import errors
 from api.routes import ROUTES
@@ -24,7 +25,9 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
     config = config or ServerConfig()
     # Order: metrics sees the final status of everything, errors turns exceptions (auth's 401
     # included) into bodies, auth runs before any handler.
-    app = web.Application(middlewares=[measure, errors, authenticate], client_max_size=config.max_body_bytes)
+    # count_answers (outermost, with the fast path only) sees an answer once it is written.
+    middlewares = ([count_answers] if config.fast_path else []) + [measure, errors, authenticate]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[STORE] = store
     app[CONFIG] = config
     auth = load_auth_file(config.auth_file) if config.auth_file else None
@@ -35,6 +38,8 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
     app[METRICS] = Metrics(store.stats)
     app[SHARED_MEMORY] = SharedMemoryArenas(config.shared_memory)
     app.add_routes(ROUTES)
+    if config.fast_path:
+        app[FAST_PATH] = FastPath(app)
     app.on_cleanup.append(_shutdown_executor)
     return app
 

@@ -83,11 +83,16 @@ async def authenticate(request: web.Request,
                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     table = request.app[AUTH]
     if table and request.path.startswith(PROTECTED_PREFIX):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Unauthorized("Authorization: expected 'Bearer <token>'", field="Authorization")
-        tenant = find_tenant(table, token.strip().encode())
-        if tenant is None:
-            raise Unauthorized("Authorization: unknown bearer token", field="Authorization")
-        request[TENANT] = tenant
+        request[TENANT] = bearer_tenant(table, request.headers.get("Authorization", ""))
     return await handler(request)
+
+
+def bearer_tenant(table: dict[bytes, str], authorization: str) -> str:
+    """The tenant of an `Authorization: Bearer <token>` header; Unauthorized (401) otherwise."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("Authorization: expected 'Bearer <token>'", field="Authorization")
+    tenant = find_tenant(table, token.strip().encode())
+    if tenant is None:
+        raise Unauthorized("Authorization: unknown bearer token", field="Authorization")
+    return tenant

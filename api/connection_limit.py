@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Callable
+from typing import Callable, cast
 
 from aiohttp import web
+
+from api.fast_path import FAST_PATH, FastPath, Lane
 
 _BODY = b'{"error": {"code": "too_many_connections", "message": "server connection limit reached; retry"}}'
 REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -21,25 +23,35 @@ REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\
 
 class _Refuse(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(REFUSAL)
+        # Not asserted to be an asyncio.Transport: uvloop's transports are not its subclasses.
+        cast(asyncio.Transport, transport).write(REFUSAL)
         transport.close()
 
 
 class _Counted(asyncio.Protocol):
-    """Delegates to aiohttp's handler; tells the site when the connection is gone.
+    """Delegates to aiohttp's handler, after offering each read to the app's fast path (if it
+    has one); tells the site when the connection is gone.
 
     Counted here, not from `web.Server.connections`: a burst of connections is accepted (and
     the factory called for each) before any handler's `connection_made` has run."""
 
-    def __init__(self, inner: asyncio.Protocol, site: "ConnectionLimitedSite"):
+    def __init__(self, inner: asyncio.Protocol, site: "ConnectionLimitedSite", fast: FastPath | None):
         self._inner = inner
         self._site = site
+        self._fast = fast
+        self._lane: Lane | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._fast is not None:
+            self._lane = self._fast.lane(transport)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        lane = self._lane
+        if lane is not None:  # the data routes' fast path (api/fast_path.py), else aiohttp's
+            if lane.take(data):
+                return
+            lane.follow(data)
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -53,6 +65,8 @@ class _Counted(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._site.live -= 1
+        if self._lane is not None:
+            self._fast.drop(self._lane.transport)  # type: ignore[union-attr]
         self._inner.connection_lost(exc)
 
 
@@ -73,10 +87,12 @@ class ConnectionLimitedSite(web.SockSite):
             self._factory(server), sock=self._sock, backlog=self._backlog)
 
     def _factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
+        fast = self._runner.app.get(FAST_PATH) if isinstance(self._runner, web.AppRunner) else None
+
         def make() -> asyncio.BaseProtocol:
             if self.live >= self._max_connections:
                 self.refused += 1
                 return _Refuse()
             self.live += 1
-            return _Counted(server(), self)
+            return _Counted(server(), self, fast)
         return make

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable
 
+import torch
 from aiohttp import web
 
 from api import wire
@@ -67,79 +68,107 @@ async def attach_shared_memory(request: web.Request) -> web.Response:
     return wire.respond(request, {"nbytes": arena.nbytes})
 
 
-def _shm_region(request: web.Request, req: wire.TokensRequest) -> Any:
+def _shm_region(app: web.Application, transport: Any, req: wire.TokensRequest) -> Any:
     """The request's region of its connection's shared memory (a flat uint8 tensor), or None."""
     if req.shm is None:
         return None
     offset, nbytes = req.shm
-    return request.app[SHARED_MEMORY].arena(request.transport).region(offset, nbytes, field="shm")
+    return app[SHARED_MEMORY].arena(transport).region(offset, nbytes, field="shm")
 
 
-def _shm_kv(request: web.Request, req: wire.TokensRequest) -> memoryview:
-    """The kv bytes of a store that sent them through shared memory."""
-    return memoryview(_shm_region(request, req).numpy())
+# ---- what runs on the event loop: shared with api/fast_path.py, which answers the same requests
+# before aiohttp's request machinery; each returns None when the work must leave the loop.
 
-
-def _inline_store(request: web.Request, nbytes: int) -> bool:
-    """Run a store on the loop: small, and nothing but copies into memory (ServerConfig.inline_copy_bytes)."""
-    return nbytes <= request.app[CONFIG].inline_copy_bytes and request.app[STORE].stores_in_memory(nbytes)
-
-
-async def lookup(request: web.Request) -> web.Response:
-    req = wire.lookup_request(await _body(request))
-    kvstore, tenant = request.app[STORE], tenant_of(request)
-    # On the loop unless Redis may be probed: a lookup only walks the in-memory index (no copies),
-    # and a thread hop would cost more than the lookup itself.
+def lookup_inline(app: web.Application, req: wire.TokensRequest, tenant: str | None) -> dict | None:
+    """A lookup only walks the in-memory index (no copies): a thread hop would cost more than the
+    lookup itself. Off the loop only when Redis may be probed."""
+    kvstore = app[STORE]
     if kvstore.has_shared_tier:
-        result = await run_blocking(request, kvstore.lookup, req.model, req.tokens, tenant=tenant)
-    else:
-        result = kvstore.lookup(req.model, req.tokens, tenant=tenant)
-    return wire.respond(request, asdict(result))
+        return None
+    return asdict(kvstore.lookup(req.model, req.tokens, tenant=tenant))
 
 
-async def store(request: web.Request) -> web.Response:
-    req = wire.store_request(await _body(request))
-    return await _store(request, req, lambda kvstore, kv: kvstore.store(
-        req.model, req.tokens, kv, start=req.start, tenant=tenant_of(request)))
+def fetch_inline(app: web.Application, transport: Any, req: wire.TokensRequest,
+                 tenant: str | None) -> tuple[dict, Any] | None:
+    """A fetch's answer (fields, kv bytes or None; api/wire.py fetch_answer) when it needs no I/O
+    and copies at most inline_copy_bytes: cheaper here than the hop to a pool thread."""
+    into = _shm_region(app, transport, req)  # the client's memory to answer into, if it named some
+    limit = app[CONFIG].inline_copy_bytes
+    result = app[STORE].fetch_in_memory(req.model, req.tokens, max_bytes=limit, start=req.start, tenant=tenant,
+                                        into=into) if limit else None
+    if result is None:
+        return None
+    return wire.fetch_answer(result.matched_tokens, wire.kv_payload(result.kv), req.shm, into)
 
 
-async def _store(request: web.Request, req: wire.StoreRequest, put_kv: Callable[[Any, Any], Any]) -> web.Response:
-    """Both store routes: the kv (from the body or the client's shared memory) viewed as the
-    model's (L, 2, T, H, D) tensor, then `put_kv(store, kv)`, on the loop when it needs no I/O."""
-    kvstore, tenant = request.app[STORE], tenant_of(request)
-    raw = _shm_kv(request, req) if req.shm else req.kv
+PutKV = Callable[[Any, torch.Tensor], Any]  # (store, kv) -> StoreResult: which store method a route calls
+
+
+def store_job(app: web.Application, transport: Any, req: wire.StoreRequest, put_kv: PutKV,
+              tenant: str | None) -> tuple[Callable[[], dict], bool]:
+    """Both store routes: (the call, whether it may run on the loop). The call views the kv (from
+    the body or the client's shared memory) as the model's (L, 2, T, H, D) tensor and passes it
+    to `put_kv`; it runs on the loop when it is small and nothing but copies into memory
+    (ServerConfig.inline_copy_bytes)."""
+    kvstore = app[STORE]
+    raw = memoryview(_shm_region(app, transport, req).numpy()) if req.shm else req.kv
 
     def put() -> dict:
         spec = kvstore.get_spec(req.model, tenant=tenant)
         kv = wire.kv_tensor(raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
         return asdict(put_kv(kvstore, kv))
 
-    return wire.respond(request, put() if _inline_store(request, raw.nbytes) else await run_blocking(request, put))
+    return put, raw.nbytes <= app[CONFIG].inline_copy_bytes and kvstore.stores_in_memory(raw.nbytes)
+
+
+def put_pages(req: wire.StoreRequest, tenant: str | None) -> PutKV:
+    return lambda kvstore, kv: kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant)
+
+
+def put_chunk(req: wire.StoreRequest, tenant: str | None) -> PutKV:
+    return lambda kvstore, kv: kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant)
+
+
+# ---- the data routes ---------------------------------------------------------------------------
+
+async def lookup(request: web.Request) -> web.Response:
+    req = wire.lookup_request(await _body(request))
+    kvstore, tenant = request.app[STORE], tenant_of(request)
+    answer = lookup_inline(request.app, req, tenant)
+    if answer is None:
+        answer = asdict(await run_blocking(request, kvstore.lookup, req.model, req.tokens, tenant=tenant))
+    return wire.respond(request, answer)
+
+
+async def store(request: web.Request) -> web.Response:
+    req = wire.store_request(await _body(request))
+    return await _store(request, req, put_pages(req, tenant_of(request)))
+
+
+async def _store(request: web.Request, req: wire.StoreRequest, put_kv: PutKV) -> web.Response:
+    put, inline = store_job(request.app, request.transport, req, put_kv, tenant_of(request))
+    return wire.respond(request, put() if inline else await run_blocking(request, put))
 
 
 async def fetch(request: web.Request) -> web.StreamResponse:
     req = wire.fetch_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
-    into = _shm_region(request, req)  # the client's memory to answer into, if it named some
-    # No I/O and at most inline_copy_bytes to copy: cheaper here than the hop to a pool thread.
-    limit = request.app[CONFIG].inline_copy_bytes
-    result = kvstore.fetch_in_memory(req.model, req.tokens, max_bytes=limit, start=req.start, tenant=tenant,
-                                     into=into) if limit else None
-    if result is not None:
-        return await wire.respond_fetch(request, result.matched_tokens, wire.kv_payload(result.kv), req.shm, into)
+    answer = fetch_inline(request.app, request.transport, req, tenant)
+    if answer is None:
+        into = _shm_region(request.app, request.transport, req)
 
-    def get() -> tuple[int, tuple[dict, object]]:
-        found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
-        return found.matched_tokens, wire.kv_payload(found.kv)  # copies a strided kv: off the loop
+        def get() -> tuple[dict, Any]:
+            found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+            # kv_payload copies a strided kv: off the loop
+            return wire.fetch_answer(found.matched_tokens, wire.kv_payload(found.kv), req.shm, into)
 
-    matched, payload = await run_blocking(request, get)
-    return await wire.respond_fetch(request, matched, payload, req.shm, into)
+        answer = await run_blocking(request, get)
+    return await wire.respond_answer(request, *answer)
 
 
 async def store_chunk(request: web.Request) -> web.Response:
     req = wire.chunk_store_request(await _body(request))  # start is 0: a chunk is stored whole
-    return await _store(request, req, lambda kvstore, kv: kvstore.store_chunk(
-        req.model, req.tokens, kv, tenant=tenant_of(request)))
+    return await _store(request, req, put_chunk(req, tenant_of(request)))
 
 
 async def blend(request: web.Request) -> web.StreamResponse:
@@ -152,4 +181,4 @@ async def blend(request: web.Request) -> web.StreamResponse:
         return {"hits": result.hits, "positions": [list(p) for p in result.positions], **fields}, raw
 
     fields, raw = await run_blocking(request, get)
-    return await wire.respond_kv(request, fields, raw)
+    return await wire.respond_answer(request, fields, raw)

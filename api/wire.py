@@ -251,12 +251,17 @@ def _show(value: Any) -> str:
 # ---- writing ---------------------------------------------------------------------------------
 
 def wants_json(request: web.Request) -> bool:
-    accept = request.headers.get("Accept", "")
+    return answer_in_json(request.headers.get("Accept", ""), request.content_type, request.method)
+
+
+def answer_in_json(accept: str, content_type: str, method: str) -> bool:
+    """Whether an answer is JSON: the Accept header decides, else the request's Content-Type
+    (a bodiless GET or DELETE with no Accept gets JSON, as a browser or curl would want)."""
     if "msgpack" in accept:
         return False
     if JSON in accept:
         return True
-    return request.content_type == JSON or request.method in ("GET", "DELETE") and not accept
+    return content_type == JSON or method in ("GET", "DELETE") and not accept
 
 
 def respond(request: web.Request, obj: Any, status: int = 200) -> web.Response:
@@ -266,31 +271,32 @@ def respond(request: web.Request, obj: Any, status: int = 200) -> web.Response:
 
 
 def kv_payload(kv: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
-    """(dtype/shape fields, flat uint8 array of the bytes) of a result tensor; None for no kv.
-    Call it off the loop: a tensor that is not contiguous is copied here."""
+    """(fields, flat uint8 array of the kv bytes) of a result tensor: fields name its dtype and
+    shape; no kv is `kv: None` and no bytes. Call it off the loop: a tensor that is not
+    contiguous is copied here."""
     if kv is None:
-        return {}, None
+        return {"kv": None}, None
     raw = kv.contiguous().view(-1).view(torch.uint8).numpy()  # flat bytes of (L, 2, T, H, D)
     return {"dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, raw
 
 
-async def respond_fetch(request: web.Request, matched_tokens: int, payload: tuple[dict[str, Any], Any],
-                        shm: tuple[int, int] | None, into: Any) -> web.StreamResponse:
-    """A fetch's answer: `shm` instead of `kv` when the store wrote the kv into the client's
-    region `into` (the bytes are already where the client reads them), else `kv` in the body."""
+def fetch_answer(matched_tokens: int, payload: tuple[dict[str, Any], Any], shm: tuple[int, int] | None,
+                 into: Any) -> tuple[dict[str, Any], Any]:
+    """A fetch's answer as (fields, kv bytes or None): `shm` instead of `kv` when the store wrote
+    the kv into the client's region `into` (the bytes are already where the client reads them)."""
     fields, raw = payload
     fields = {"matched_tokens": matched_tokens, **fields}
     if into is not None and raw is not None and raw.nbytes and raw.ctypes.data == into.data_ptr():
         assert shm is not None
-        return respond(request, {**fields, "shm": {"offset": shm[0], "nbytes": raw.nbytes}})
-    return await respond_kv(request, fields, raw)
+        return {**fields, "shm": {"offset": shm[0], "nbytes": raw.nbytes}}, None
+    return fields, raw
 
 
-async def respond_kv(request: web.Request, fields: dict[str, Any], raw: Any) -> web.StreamResponse:
-    """`{**fields, kv}` with kv's bytes written straight to the socket after a hand-built msgpack
-    prefix: the tensor's memory is never re-packed (see framing.pack_map_prefix)."""
+async def respond_answer(request: web.Request, fields: dict[str, Any], raw: Any) -> web.StreamResponse:
+    """`fields`, and `kv` with raw's bytes when there are some: written straight to the socket
+    after a hand-built msgpack prefix, the tensor's memory never re-packed (framing.pack_map_prefix)."""
     if raw is None:
-        return respond(request, {**fields, "kv": None})
+        return respond(request, fields)
     if wants_json(request):
         return web.json_response({**fields, "kv": base64.b64encode(raw).decode()})
     prefix = pack_map_prefix(fields, "kv", raw.nbytes)

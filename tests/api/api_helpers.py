@@ -3,6 +3,7 @@ a live server on a real socket (for the sync client, which must not block the te
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from typing import Any
@@ -14,6 +15,8 @@ from aiohttp.test_utils import TestClient
 
 from api.app import create_app
 from api.config import ServerConfig
+from api.connection_limit import ConnectionLimitedSite
+from api.server import listen_socket
 from kvstore import KVStore, ModelSpec
 
 MAX_BODY_BYTES = 1 << 20
@@ -48,18 +51,19 @@ async def call(http: TestClient, method: str, path: str, body: Any = None, *,
 
 
 class LiveServer:
-    """The app on a real socket, served by an event loop in a background thread."""
+    """The app on a real socket, served by an event loop in a background thread, through the
+    site `kvstore serve` uses (connection limit, and the fast path unless the config turns it off)."""
 
     def __init__(self, store: KVStore, config: ServerConfig):
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(create_app(store, config), access_log=None)
+        self.app = create_app(store, config)
+        self._runner = web.AppRunner(self.app, access_log=None)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._call(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._call(site.start())
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        sock = listen_socket(dataclasses.replace(config, host="127.0.0.1", port=0))
+        self._call(ConnectionLimitedSite(self._runner, sock, max_connections=config.max_connections).start())
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
