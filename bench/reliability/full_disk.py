@@ -10,6 +10,7 @@ service stays up; the CPU tier keeps serving the newest pages; whatever is fetch
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -96,10 +97,13 @@ def run_full_disk(work: Path, *, sequences: int = 800, durability: str = "write-
 
 
 def _fill_up(path: Path) -> None:
-    with open(path, "wb") as f:
-        try:
+    """Take every free byte of path's filesystem. The sidecar may have taken them all already:
+    then even creating the file fails with ENOSPC, which is the state wanted, not an error."""
+    try:
+        with open(path, "wb") as f:
             while True:
                 f.write(b"\0" * (64 << 10))
                 f.flush()
-        except OSError:  # ENOSPC: the filesystem is full
-            pass
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
