@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,13 +116,26 @@ def test_bad_kv_raises_and_stores_nothing(make_store, spec, case):
     assert store.stats()["pages"] == 0
 
 
-@pytest.mark.parametrize("tokens", [[-1, 2, 3, 4], [1, 2, 2**31, 4], [1.5, 2, 3, 4], "abcd", [True, 1, 2, 3]])
+@pytest.mark.parametrize("tokens", [[-1, 2, 3, 4], [1, 2, 2**31, 4], [1.5, 2, 3, 4], "abcd", [True, 1, 2, 3],
+                                    np.array([1, -2, 3, 4], dtype="<i4"), np.array([1, 2, 2**31, 4], dtype="<i8"),
+                                    np.array([[1, 2], [3, 4]], dtype="<i4")])
 def test_bad_tokens_raise_and_store_nothing(make_store, spec, tokens):
     store = make_store()
     store.register_model("m", spec)
     with pytest.raises(InvalidTokens, match="tokens"):
         store.store("m", tokens, random_kv(spec, 4))
     assert store.stats()["pages"] == 0
+
+
+@pytest.mark.parametrize("as_array", [lambda t: np.array(t, dtype="<i4"), lambda t: np.array(t, dtype=">i4"),
+                                      lambda t: np.array(t, dtype=np.int64), torch.tensor])
+def test_token_arrays_are_the_same_prompt_as_lists(make_store, spec, as_array):
+    store = make_store()
+    store.register_model("m", spec)
+    kv = random_kv(spec, 8)
+    store.store("m", as_array(list(range(8))), kv)
+    assert store.lookup("m", list(range(8))).matched_tokens == 8
+    assert torch.equal(store.fetch("m", as_array(list(range(10))), start=2).kv, kv[:, :, 2:])
 
 
 def test_bad_start_and_models(make_store, spec):
