@@ -16,10 +16,18 @@ Features (all computable by a policy from the `Node` and its own bookkeeping):
 - `siblings`: other children its parent already had when it was stored (a branching point);
 - `tail`: a partial last page;
 - `seen`: its key was stored into the tier within the last 10 x capacity stores (seen-before);
+- `count`: times its key was stored into the tier before (all history);
+- `last_gap`: stores since its key was last stored, in turnovers (capacities); `never` if new;
+- `req_len`, `to_end`: the storing request's length and the pages after this one in it (a policy
+  learns them when the request is done, not at insert);
 - `gap_ms`: the request's inter-arrival time (a policy does not see it; for comparison).
+
+With `--belady` the label is the offline optimum's (was the page served before Belady evicted
+it), to see which pages the optimum invests in.
 
     python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --capacities 0.02,0.05
     python bench/reuse_features.py --preset chat --seed 0
+    python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --belady
 
 It prints, per feature and bucket, the share of inserted pages, the reuse rate under LRU and
 the ever-reused rate, and the weighted entropy drop each feature gives on the `reused` label.
@@ -33,10 +41,10 @@ from collections import OrderedDict, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+from typing import Any
+
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from typing import Any
 
 from kvstore.index import Node
 from kvstore.policies import LRUTailPolicy
@@ -45,8 +53,8 @@ from bench.belady import BeladyPolicy
 from bench.replay import NEVER, NextUse, compile_trace, replay
 from bench.traces import PRESETS, Request, generate, load_trace
 
-FEATURES = ("depth", "run", "anchor_hits", "hit_len", "siblings", "tail", "seen", "count", "last_gap", "req_len",
-            "to_end", "gap_ms")
+FEATURES = ("depth", "run", "anchor_hits", "hit_len", "siblings", "tail", "seen", "count", "last_gap",
+            "req_len", "to_end", "gap_ms")
 
 
 def bucket(n: int) -> str:
@@ -98,11 +106,12 @@ class Recorder(LRUTailPolicy):
             last_gap = "never"
         else:
             ratio = (self.stores - last) / self.capacity
-            last_gap = next(f"<{b}" for b in (0.5, 1, 2, 4, 10, 100, float("inf")) if ratio < b)
+            last_gap = next(f"<{b}" for b in (1, 2, 4, 10, 100, float("inf")) if ratio < b)
         request = node.last_access // 2 - 1  # the replayer's clock: fetch 2r+1, store 2r+2
         gap = self.gaps[request] if 0 <= request < len(self.gaps) else 0.0
         self.feat[node] = {
-            "_clock": node.last_access, "_run": run, "_hit_len": hit_len, "_ever": self.oracle.of.get(node.key, NEVER) != NEVER,
+            "_clock": node.last_access, "_run": run, "_hit_len": hit_len,
+            "_ever": self.oracle.of.get(node.key, NEVER) != NEVER,
             "depth": bucket(node.depth - 1), "run": bucket(run), "anchor_hits": anchor_hits,
             "hit_len": bucket(hit_len), "siblings": bucket(len(parent.children) - 1) if parent else "0",
             "tail": node.tail, "seen": seen, "count": bucket(count), "last_gap": last_gap,
