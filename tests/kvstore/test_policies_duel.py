@@ -110,10 +110,12 @@ def test_a_key_stored_again_soon_after_eviction_is_protected(policy: str) -> Non
     assert tier.holds(1) == (policy != "lru-tail")
 
 
-def test_follows_seen_before_where_a_prompt_recurs_between_one_off_prompts() -> None:
-    # Prompt [1, 2] recurs after every 3 one-off single-block prompts; 4 pages of room. LRU drops
-    # block 2 each time (its oldest leaf), seen-before keeps the recurring prompt, and the duel,
-    # whose shadows see that, ends up with nearly its hits.
+@pytest.mark.parametrize("rule, duel", [("seen-before", "duel"), ("seen-often", "duel-freq")])
+def test_follows_the_rule_that_keeps_a_prompt_recurring_between_one_off_prompts(rule: str, duel: str) -> None:
+    # Prompt [1, 2] recurs after every 3 one-off single-block prompts; 4 pages of room. lru-tail
+    # drops block 2 each time (its oldest leaf); seen-before (and seen-often, by frequency) keep the
+    # recurring prompt, and the duel, whose shadows see that (all keys: the tier is far too small
+    # to sample), ends up with nearly their hits.
     prompts: list[list[int]] = [[1, 2], [1, 2]]
     fresh = 100
     for _ in range(60):
@@ -121,9 +123,9 @@ def test_follows_seen_before_where_a_prompt_recurs_between_one_off_prompts() -> 
         fresh += 3
     trace = _trace(*prompts)
     tiers = [("cpu", 4)]
-    lru, seen, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "seen-before", "duel"))
-    assert seen > lru
-    assert duel > lru + (seen - lru) // 2
+    lru, kept, dueled = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", rule, duel))
+    assert kept > lru
+    assert dueled > lru + (kept - lru) // 2
 
 
 def test_follows_lru_where_fresh_pages_are_reused_once() -> None:

@@ -106,19 +106,3 @@ def test_duel_freq_at_least_lru_on_generated_traces_with_sampled_shadows(preset:
         tiers = [("cpu", max(round(fraction * trace.unique_blocks), 4 * MIN_SAMPLED_PAGES))]
         ours, lru = (replay(trace, tiers, p).hit_ratio for p in ("duel-freq", "lru"))
         assert ours >= lru - 0.002, (preset, fraction, ours, lru)
-
-
-def test_follows_frequency_where_a_prompt_recurs_between_one_off_prompts() -> None:
-    # Prompt [1, 2] recurs after every 3 one-off prompts; 4 pages of room. lru-tail drops it each
-    # time; the frequency candidates keep it, and the duel (all keys through its shadows: the
-    # tier is far too small to sample) follows them.
-    prompts: list[list[int]] = [[1, 2], [1, 2]]
-    fresh = 100
-    for _ in range(60):
-        prompts += [[fresh], [fresh + 1], [fresh + 2], [1, 2]]
-        fresh += 3
-    trace = _trace(*prompts)
-    tiers = [("cpu", 4)]
-    lru, often, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "seen-often", "duel-freq"))
-    assert often > lru
-    assert duel > lru + (often - lru) // 2
