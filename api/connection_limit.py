@@ -23,7 +23,7 @@ REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\
 
 class _Refuse(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # Not asserted to be an asyncio.Transport: uvloop's transports are not its subclasses.
+        # Not asserted to be an asyncio.Transport: other loops' transports (uvloop's) are not its subclasses.
         cast(asyncio.Transport, transport).write(REFUSAL)
         transport.close()
 

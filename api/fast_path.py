@@ -179,7 +179,8 @@ class Lane:
         answer = self.fast.answer(self.transport, data)
         if answer is None:
             return False
-        self.transport.writelines(answer)
+        for part in answer:  # not writelines: asyncio's (before 3.12) joins the parts, a copy of the kv
+            self.transport.write(part)
         return True
 
     def follow(self, data: bytes) -> None:
