@@ -7,7 +7,8 @@ Answered from the connection's `data_received` (interleaved A/B, sync client, p5
 
 What is answered here, all of it or nothing:
 - a received chunk that is exactly one complete HTTP/1.1 request, head and Content-Length body
-  with nothing after it, for POST /v1/lookup, /v1/fetch, /v1/store or /v1/chunks/store;
+  (within max_body_bytes) with nothing after it, for POST /v1/lookup, /v1/fetch, /v1/store or
+  /v1/chunks/store;
 - msgpack both ways: no JSON Content-Type or Accept; no Transfer-Encoding, Content-Encoding,
   Expect, Upgrade or `Connection: close`;
 - whose work needs no I/O, decided and done by the handlers' own functions (api/handlers.py
@@ -39,7 +40,7 @@ from aiohttp import web
 
 from api import handlers, wire
 from api.auth import PROTECTED_PREFIX, bearer_tenant
-from api.context import AUTH
+from api.context import AUTH, CONFIG
 from api.framing import pack_map_prefix
 from api.metrics import METRICS
 
@@ -109,7 +110,9 @@ class FastPath:
         if route is None or version != b"HTTP/1.1":
             return None
         headers = _headers(lines[1:])
-        if headers is None or not _plain(headers) or _content_length(headers) != len(data) - head_end - len(_HEAD_END):
+        body_bytes = len(data) - head_end - len(_HEAD_END)
+        if headers is None or not _plain(headers) or _content_length(headers) != body_bytes \
+                or body_bytes > self.app[CONFIG].max_body_bytes:  # aiohttp answers 413
             return None
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower().decode("latin-1")
         if content_type not in wire.MSGPACK_TYPES and content_type not in wire.DEFAULT_TYPES:

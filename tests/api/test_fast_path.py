@@ -179,6 +179,18 @@ def test_a_head_split_across_reads_is_left_to_aiohttp(served: LiveServer):
     assert _answer(conn) == (200, {"matched_tokens": 8, "tiers": {"cpu": 8}})
 
 
+def test_a_body_over_the_limit_is_refused_as_without_it(store: KVStore, spec: ModelSpec):
+    store.register_model("m", spec)
+    server = LiveServer(store, ServerConfig(max_body_bytes=1024))
+    try:
+        conn = _connect(server)
+        conn.sock.sendall(_request("/v1/lookup", _pack({"model": "m", "tokens": list(range(1000, 1400))})))
+        status, answer = _answer(conn)
+        assert (status, answer["error"]["code"]) == (413, "payload_too_large")
+    finally:
+        server.close()
+
+
 def test_auth_is_checked(store: KVStore, spec: ModelSpec, tmp_path):
     auth = tmp_path / "auth.json"
     auth.write_text(json.dumps({"secret-a": "a"}))
