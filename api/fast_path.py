@@ -32,6 +32,7 @@ register their shared memory again) when a kept-alive connection turns out close
 from __future__ import annotations
 
 import email.utils
+import re
 import time
 from typing import Any, Awaitable, Callable
 
@@ -48,6 +49,8 @@ Answer = tuple[dict, Any]  # (fields, kv bytes or None)
 Route = Callable[[web.Application, Any, dict, "str | None"], "Answer | None"]
 
 _HEAD_END = b"\r\n\r\n"
+MAX_HEAD_BYTES = 8190  # aiohttp's default line limit; a whole head past it is never ours
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP header name (RFC 9110 token), lowercased
 _REFUSED_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 
 
@@ -101,7 +104,7 @@ class FastPath:
             return None
         began = time.perf_counter()
         head_end = data.find(_HEAD_END)
-        if head_end < 0:
+        if not 0 < head_end <= MAX_HEAD_BYTES:  # longer heads: aiohttp's own limits apply
             return None
         lines = data[:head_end].split(b"\r\n")
         method, _, rest = lines[0].partition(b" ")
@@ -225,12 +228,13 @@ FAST_PATH: web.AppKey[FastPath] = web.AppKey("fast_path", FastPath)
 
 
 def _headers(lines: list[bytes]) -> dict[bytes, bytes] | None:
-    """Header lines -> {lowercased name: value}; None for a repeated or malformed one."""
+    """Header lines -> {lowercased name: value}; None for a repeated or malformed one (a name
+    that is not an HTTP token, a folded line), which aiohttp then answers."""
     headers: dict[bytes, bytes] = {}
     for line in lines:
         name, colon, value = line.partition(b":")
         name = name.lower()
-        if not colon or not name or name != name.strip() or name in headers:
+        if not colon or not _TOKEN.fullmatch(name) or name in headers:
             return None
         headers[name] = value.strip()
     return headers

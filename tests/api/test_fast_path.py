@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from typing import Any
 
 import msgpack
 import pytest
@@ -24,13 +25,16 @@ def _request(path: str, body: bytes, method: str = "POST", **headers: str) -> by
     return head.encode() + body
 
 
-def _answer(conn: Connection) -> tuple[int, dict]:
+def _answer(conn: Connection) -> tuple[int, Any]:
     """Read one answer off the connection: (status, decoded body)."""
     status, headers = conn._read_head()
     body = bytes(conn._read_exact(int(headers["content-length"])))
-    if headers.get("content-type", "").startswith("application/json"):
+    ctype = headers.get("content-type", "")
+    if ctype.startswith("application/json"):
         return status, json.loads(body)
-    return status, msgpack.unpackb(body, raw=False)
+    if ctype.startswith("application/msgpack"):
+        return status, msgpack.unpackb(body, raw=False)
+    return status, {"text": body}  # aiohttp's own answers to malformed HTTP
 
 
 def _pack(obj: dict) -> bytes:
@@ -120,6 +124,12 @@ def test_json_and_unusual_requests_are_aiohttps(served: LiveServer):
     assert _answer(conn) == (200, {"matched_tokens": 8, "tiers": {"cpu": 8}})  # JSON, decoded as such
     conn.sock.sendall(_request("/v1/lookup?x=1", body))
     assert _answer(conn)[0] == 200
+    conn.sock.sendall(_request("/v1/lookup", body).replace(b"Host: x", b"Bad Name: x"))
+    assert _answer(conn)[0] == 400  # aiohttp's verdict on a header name that is not a token
+    conn = _connect(served)
+    conn.sock.sendall(_request("/v1/lookup", body, **{"X-Long": "x" * 9000}))
+    assert _answer(conn)[0] == 400  # aiohttp's line limit
+    conn = _connect(served)
     conn.sock.sendall(_request("/v1/lookup", body, Connection="close"))
     assert _answer(conn)[0] == 200
     assert conn.sock.recv(1) == b""  # closed, as asked
