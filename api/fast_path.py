@@ -107,7 +107,7 @@ class FastPath:
         if not 0 < head_end <= MAX_HEAD_BYTES:  # longer heads: aiohttp's own limits apply
             return None
         lines = data[:head_end].split(b"\r\n")
-        method, _, rest = lines[0].partition(b" ")
+        _, _, rest = lines[0].partition(b" ")  # the method is POST (checked above)
         path, _, version = rest.partition(b" ")
         route = ROUTES.get(path)
         if route is None or version != b"HTTP/1.1":

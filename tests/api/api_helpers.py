@@ -54,10 +54,10 @@ class LiveServer:
     """The app on a real socket, served by an event loop in a background thread, through the
     site `kvstore serve` uses (connection limit, and the fast path unless the config turns it off)."""
 
-    def __init__(self, store: KVStore, config: ServerConfig):
+    def __init__(self, store: KVStore, config: ServerConfig, *, keepalive_timeout_s: float = 75.0):
         self._loop = asyncio.new_event_loop()
         self.app = create_app(store, config)
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=keepalive_timeout_s)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._call(self._runner.setup())

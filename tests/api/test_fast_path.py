@@ -88,17 +88,20 @@ def test_clients_get_the_same_answers_with_and_without_it(tmp_path, spec: ModelS
     assert torch.equal(f1[0].kv, kv[:, :, 2:]) and torch.equal(f1[2].kv, kv[:, :, 5:])
 
 
+def _metric(server: LiveServer, name: str, label: str) -> float:
+    conn = _connect(server)
+    _, _, body = conn.request(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", [])
+    lines = [l for l in bytes(body).decode().splitlines() if l.startswith(name + "{") and label in l]
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lines)
+
+
 def test_answered_requests_are_counted_in_metrics(served: LiveServer, spec: ModelSpec):
+    before = _metric(served, "kvstore_http_requests_total", 'route="/v1/lookup"')
     with KVStoreClient(served.url, shared_memory_bytes=0) as client:
         for _ in range(5):
             assert client.lookup("m", list(range(8))).matched_tokens == 8
-        conn = _connect(served)
-        status, _, body = conn.request(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", [])
-    text = bytes(body).decode()
-    line = next(l for l in text.splitlines()
-                if l.startswith("kvstore_http_requests_total{") and 'route="/v1/lookup"' in l and 'status="200"' in l)
-    assert float(line.rsplit(" ", 1)[1]) >= 5
-    assert 'kvstore_http_request_duration_seconds_count{method="POST",route="/v1/lookup"}' in text
+    assert _metric(served, "kvstore_http_requests_total", 'route="/v1/lookup",status="200"') == before + 5
+    assert _metric(served, "kvstore_http_request_duration_seconds_count", 'route="/v1/lookup"') == before + 5
 
 
 @pytest.mark.parametrize("body, headers, status, code", [
@@ -197,6 +200,30 @@ def test_a_body_over_the_limit_is_refused_as_without_it(store: KVStore, spec: Mo
         conn.sock.sendall(_request("/v1/lookup", _pack({"model": "m", "tokens": list(range(1000, 1400))})))
         status, answer = _answer(conn)
         assert (status, answer["error"]["code"]) == (413, "payload_too_large")
+    finally:
+        server.close()
+
+
+def test_clients_ride_out_aiohttps_keep_alive_closes(store: KVStore, spec: ModelSpec):
+    """aiohttp closes a connection it has seen idle for its keep-alive timeout, though the fast
+    path served it meanwhile: the client reconnects (and registers its shared memory again)."""
+    server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES), keepalive_timeout_s=0.2)
+    kv = random_kv(spec, 8, seed=4)
+    try:
+        with KVStoreClient(server.url) as client:
+            client.register_model("m", spec)
+            client.store("m", list(range(8)), kv)
+            assert client.fetch("m", list(range(8))).matched_tokens == 8  # learns the size: shm from now on
+            began = time.monotonic()
+            fetches = 0
+            while time.monotonic() - began < 1.0:
+                result = client.fetch("m", list(range(8)))
+                assert result.matched_tokens == 8 and torch.equal(result.kv, kv)
+                fetches += 1
+                time.sleep(0.01)
+            assert fetches > 20
+        registrations = _metric(server, "kvstore_http_requests_total", 'route="/v1/shm"')
+        assert registrations >= 3  # aiohttp did close the connection (at 0.2 s idle to it) and the client came back
     finally:
         server.close()
 
