@@ -60,23 +60,23 @@ def _lookup(app: web.Application, transport: Any, body: dict, tenant: str | None
 
 
 def _fetch(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
-    return handlers.fetch_inline(app, transport, wire.fetch_request(body), tenant)
+    req = wire.fetch_request(body)
+    return handlers.fetch_inline(app, req, tenant, handlers.shm_region(app, transport, req))
 
 
-def _store(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
-    req = wire.store_request(body)
-    put, inline = handlers.store_job(app, transport, req, handlers.put_pages(req, tenant), tenant)
-    return (put(), None) if inline else None
+def _storing(parse: Callable[[dict], wire.StoreRequest],
+             put_kv: Callable[[wire.StoreRequest, "str | None"], handlers.PutKV]) -> Route:
+    """A store route (its body parser, its store method), as `handlers._store` runs it."""
+    def route(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
+        req = parse(body)
+        put, inline = handlers.store_job(app, transport, req, put_kv(req, tenant), tenant)
+        return (put(), None) if inline else None
+    return route
 
 
-def _store_chunk(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
-    req = wire.chunk_store_request(body)
-    put, inline = handlers.store_job(app, transport, req, handlers.put_chunk(req, tenant), tenant)
-    return (put(), None) if inline else None
-
-
-ROUTES: dict[bytes, Route] = {b"/v1/lookup": _lookup, b"/v1/fetch": _fetch, b"/v1/store": _store,
-                              b"/v1/chunks/store": _store_chunk}
+ROUTES: dict[bytes, Route] = {b"/v1/lookup": _lookup, b"/v1/fetch": _fetch,
+                              b"/v1/store": _storing(wire.store_request, handlers.put_pages),
+                              b"/v1/chunks/store": _storing(wire.chunk_store_request, handlers.put_chunk)}
 
 
 class FastPath:

@@ -68,7 +68,7 @@ async def attach_shared_memory(request: web.Request) -> web.Response:
     return wire.respond(request, {"nbytes": arena.nbytes})
 
 
-def _shm_region(app: web.Application, transport: Any, req: wire.TokensRequest) -> Any:
+def shm_region(app: web.Application, transport: Any, req: wire.TokensRequest) -> Any:
     """The request's region of its connection's shared memory (a flat uint8 tensor), or None."""
     if req.shm is None:
         return None
@@ -88,11 +88,11 @@ def lookup_inline(app: web.Application, req: wire.TokensRequest, tenant: str | N
     return asdict(kvstore.lookup(req.model, req.tokens, tenant=tenant))
 
 
-def fetch_inline(app: web.Application, transport: Any, req: wire.TokensRequest,
-                 tenant: str | None) -> tuple[dict, Any] | None:
+def fetch_inline(app: web.Application, req: wire.TokensRequest, tenant: str | None,
+                 into: Any) -> tuple[dict, Any] | None:
     """A fetch's answer (fields, kv bytes or None; api/wire.py fetch_answer) when it needs no I/O
-    and copies at most inline_copy_bytes: cheaper here than the hop to a pool thread."""
-    into = _shm_region(app, transport, req)  # the client's memory to answer into, if it named some
+    and copies at most inline_copy_bytes: cheaper here than the hop to a pool thread. `into`: the
+    client's memory to answer into (`shm_region`), or None."""
     limit = app[CONFIG].inline_copy_bytes
     result = app[STORE].fetch_in_memory(req.model, req.tokens, max_bytes=limit, start=req.start, tenant=tenant,
                                         into=into) if limit else None
@@ -111,7 +111,7 @@ def store_job(app: web.Application, transport: Any, req: wire.StoreRequest, put_
     to `put_kv`; it runs on the loop when it is small and nothing but copies into memory
     (ServerConfig.inline_copy_bytes)."""
     kvstore = app[STORE]
-    raw = memoryview(_shm_region(app, transport, req).numpy()) if req.shm else req.kv
+    raw = memoryview(shm_region(app, transport, req).numpy()) if req.shm else req.kv
 
     def put() -> dict:
         spec = kvstore.get_spec(req.model, tenant=tenant)
@@ -153,10 +153,9 @@ async def _store(request: web.Request, req: wire.StoreRequest, put_kv: PutKV) ->
 async def fetch(request: web.Request) -> web.StreamResponse:
     req = wire.fetch_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
-    answer = fetch_inline(request.app, request.transport, req, tenant)
+    into = shm_region(request.app, request.transport, req)
+    answer = fetch_inline(request.app, req, tenant, into)
     if answer is None:
-        into = _shm_region(request.app, request.transport, req)
-
         def get() -> tuple[dict, Any]:
             found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
             # kv_payload copies a strided kv: off the loop
