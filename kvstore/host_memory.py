@@ -18,7 +18,7 @@ MIN_HUGE_BYTES = 4 << 20  # below this the mmap call costs more than the faults 
 
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype) on the CPU, in huge pages when it is large."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     # Over-allocate so the tensor can start on a 2 MiB boundary: only aligned 2 MiB ranges
