@@ -44,6 +44,7 @@ from tiers.base import PageRecord
 log = logging.getLogger("kvstore.store")
 
 MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
+CPU = torch.device("cpu")
 MIN_BLEND_LIMIT_BYTES = 1 << 30  # a blend answer may hold this much KV, or the memory tiers' capacity if more
 
 
@@ -190,7 +191,7 @@ class KVStore:
         entry = self._model(model, tenant)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
-        return self._fetch(entry.namespace, entry.spec, tb, start, torch.device("cpu"), into=check_into(into, torch.device("cpu")),
+        return self._fetch(entry.namespace, entry.spec, tb, start, CPU, into=check_into(into, CPU),
                            memory_only_max_bytes=max_bytes)
 
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
