@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from api.auth import authenticate, load_auth_file
+from api.catch_up import CATCH_UP, CatchUp, learn_after
 from api.config import ServerConfig
 from api.context import AUTH, CONFIG, EXECUTOR, SHARED_MEMORY, STORE
 from api.fast_path import FAST_PATH, FastPath, count_answers
@@ -25,10 +26,13 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
     config = config or ServerConfig()
     # Order: metrics sees the final status of everything, errors turns exceptions (auth's 401
     # included) into bodies, auth runs before any handler.
-    # count_answers (outermost, with the fast path only) sees an answer once it is written.
-    middlewares = ([count_answers] if config.fast_path else []) + [measure, errors, authenticate]
+    # count_answers (with the fast path only) sees an answer once it is written; learn_after,
+    # outermost, then lets the eviction policy learn from the request (api/catch_up.py).
+    middlewares = [learn_after] + ([count_answers] if config.fast_path else []) + [measure, errors, authenticate]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[STORE] = store
+    store.learn_later(True)
+    app[CATCH_UP] = CatchUp(store)
     app[CONFIG] = config
     auth = load_auth_file(config.auth_file) if config.auth_file else None
     app[AUTH] = auth.tokens if auth else {}
@@ -46,3 +50,4 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
 
 async def _shutdown_executor(app: web.Application) -> None:
     app[EXECUTOR].shutdown(wait=True)
+    app[STORE].learn_later(False)  # catches up; the store learns inline again for other callers

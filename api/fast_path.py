@@ -41,6 +41,7 @@ from aiohttp import web
 
 from api import handlers, wire
 from api.auth import PROTECTED_PREFIX, bearer_tenant
+from api.catch_up import CATCH_UP
 from api.context import AUTH, CONFIG
 from api.framing import pack_map_prefix
 from api.metrics import METRICS
@@ -89,6 +90,7 @@ class FastPath:
         self._counted = {path: (metrics.requests.labels(path.decode(), "POST", "200"),
                                 metrics.latency.labels(path.decode(), "POST")) for path in ROUTES}
         self._date = (0, b"")
+        self.catch_up = app[CATCH_UP]
 
     def lane(self, transport: Any) -> "Lane":
         lane = self.lanes[transport] = Lane(self, transport)
@@ -187,6 +189,7 @@ class Lane:
             return False
         for part in answer:  # not writelines: asyncio's (before 3.12) joins the parts, a copy of the kv
             self.transport.write(part)
+        self.fast.catch_up.soon()  # the policy learns from it now that the answer is out
         return True
 
     def follow(self, data: bytes) -> None:

@@ -94,6 +94,17 @@ class Placement:
         self.tenant_bytes: dict[tuple[str, str], int] = {}  # (memory tier, tenant) -> bytes held
         # (memory tier, tenant with a quota) -> a policy over that tenant's pages there only.
         self.tenant_policies: dict[tuple[str, str], EvictionPolicy] = {}
+        self._learn_later = False
+
+    def learn_later(self, on: bool) -> None:
+        """Let every policy hold its learning (set dueling's shadows) until `catch_up`."""
+        self._learn_later = on
+        for policy in [*self.policies.values(), *self.tenant_policies.values()]:
+            policy.learn_later(on)
+
+    def catch_up(self) -> None:
+        for policy in [*self.policies.values(), *self.tenant_policies.values()]:
+            policy.catch_up()
 
     def set_quota(self, tenant: str, max_bytes: int | None) -> None:
         """Cap `tenant`'s bytes in each memory tier (None: no cap). A lower cap than the tenant
@@ -109,6 +120,7 @@ class Placement:
             if tier not in QUOTA_TIERS or (tier, tenant) in self.tenant_policies:
                 continue
             own = self.tenant_policies[(tier, tenant)] = self._make_policy(tier)
+            own.learn_later(self._learn_later)
             for node in self.index.nodes.values():  # pages it already holds there
                 if tier in node.tiers and self.tenant_of(node.namespace) == tenant:
                     own.insert(node)

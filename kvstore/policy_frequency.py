@@ -47,6 +47,8 @@ SAMPLE = DuelPolicy.SAMPLE  # at most 1/8 of the keys through the learning shado
 class _ShiftedLRU(LRUTailPolicy):
     """A segment ranked by its owner's `rank(node)` (tail pages still first)."""
 
+    touch_in_place = False  # a learned shift can lower a page's rank: touches re-rank it now
+
     def __init__(self, tier: str, rank: Callable[[Node], float]):
         super().__init__(tier)
         self.rank = rank

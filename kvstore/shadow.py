@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvstore.index import Node
-
 
 MIN_SAMPLED_PAGES = 1024  # a sampled shadow never holds fewer pages than this (else: sample less)
 
@@ -76,21 +74,22 @@ class ShadowCache:
     def __len__(self) -> int:
         return len(self.pages)
 
-    def reference(self, node: Node, tick: int, capacity: int) -> bool:
-        """The tier's page `node` was stored or used: True if the shadow held its key (a hit).
-        A miss adds the key, then evicts by the policy down to `capacity` pages."""
-        page = self.pages.get(node.key)
+    def reference(self, key: bytes, parent_key: bytes | None, tail: bool, last_access: int, tick: int,
+                  capacity: int) -> bool:
+        """The tier's page `key` (a `Node`'s fields) was stored or used: True if the shadow held
+        it (a hit). A miss adds the key, then evicts by the policy down to `capacity` pages."""
+        page = self.pages.get(key)
         policy = self.policy
         if page is not None:
             if page.tick == tick:
                 return False  # the same request again (its fetch, then its store)
             page.tick = tick
             page.hits += 1
-            page.last_access = node.last_access
+            page.last_access = last_access
             policy.touch(page)  # type: ignore[attr-defined]
             return True
-        parent = self.pages.get(node.parent.key) if node.parent is not None else None
-        page = self.pages[node.key] = ShadowPage(node.key, parent, node.tail, node.last_access, tick)
+        parent = self.pages.get(parent_key) if parent_key is not None else None
+        page = self.pages[key] = ShadowPage(key, parent, tail, last_access, tick)
         page.tier_kids[self.tier] = 0
         if parent is not None:
             parent.tier_kids[self.tier] += 1

@@ -132,6 +132,25 @@ class KVStore:
         with self._lock:
             self._placement.set_quota(tenant, max_bytes)
 
+    def learn_later(self, on: bool = True) -> None:
+        """Let the eviction policy hold what it learns from each request (`duel`'s shadow caches,
+        most of its cost) until `catch_up()`, so a caller can answer first and learn after. What
+        the tiers hold and which page goes next stay current; only the policy's choice of rule
+        lags. The sidecar does this; an engine calling the store in-process need not."""
+        with self._lock:
+            self._placement.learn_later(on)
+
+    def catch_up(self, blocking: bool = True) -> bool:
+        """Do the learning `learn_later` held back. False if `blocking` is False and another
+        thread holds the store's lock (nothing was done)."""
+        if not self._lock.acquire(blocking):
+            return False
+        try:
+            self._placement.catch_up()
+        finally:
+            self._lock.release()
+        return True
+
     def _pinned_below(self, node: Node) -> bool:
         return any(page.pins for page in self._index.subtree(node))
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.replay import compile_trace, replay
+from bench.replay import Replayer, compile_trace, replay
 from bench.traces import PRESETS, Request, generate
 from kvstore.config import StoreConfig
 from kvstore.index import Node, PageIndex
@@ -158,13 +158,55 @@ def test_a_shadow_cache_hits_what_the_tier_hits(preset: str) -> None:
         def insert(self, node: Node) -> None:
             self.tick += 1
             super().insert(node)
-            self.hits += self.shadow.reference(node, self.tick, capacity)
+            self._reference(node)
 
         def touch(self, node: Node) -> None:
             super().touch(node)
-            self.hits += self.shadow.reference(node, self.tick, capacity)
+            self._reference(node)
+
+        def _reference(self, node: Node) -> None:
+            parent_key = node.parent.key if node.parent is not None else None
+            self.hits += self.shadow.reference(node.key, parent_key, node.tail, node.last_access, self.tick, capacity)
 
     result = replay(trace, [("cpu", capacity)], Tapped)
     assert result.hit_blocks > 0
     assert shadow_hits[0].hits == result.hit_blocks
     assert len(shadow_hits[0].shadow) <= capacity
+
+
+@pytest.mark.parametrize("preset", ["chat", "high", "docs"])
+def test_learning_after_each_request_serves_what_learning_inline_does(preset: str) -> None:
+    # The sidecar holds duel's shadow work until its answer is out and catches up after each
+    # request (`learn_later`). The rankings stay current, only the leader lags by one request:
+    # the hits are those of learning inline, within 0.5%.
+    trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=600, seed=3)))
+    capacity = max(round(0.05 * trace.unique_blocks), 150)
+    hits = []
+    for later in (False, True):
+        replayer = Replayer([("cpu", capacity)], "duel")
+        policy = replayer.placement.policies["cpu"]
+        replayer.placement.learn_later(later)
+        served = held = 0
+        for r in range(trace.requests):
+            served += len(replayer.request(trace.keys[r], trace.tokens[r], trace.next_use[r]))
+            if later:
+                held += len(policy.pending)
+                replayer.placement.catch_up()
+                assert policy.pending == []
+        assert (held > 0) == later  # learning later did hold the shadows' work
+        hits.append(served)
+    inline, later_hits = hits
+    assert inline > 0 and abs(later_hits - inline) <= 0.005 * inline
+
+
+def test_held_learning_is_replayed_inline_past_its_bound() -> None:
+    # An in-process caller that sets learn_later and never catches up holds at most MAX_PENDING.
+    tier = _Tier("duel", 8)
+    policy = tier.placement.policies["cpu"]
+    tier.placement.learn_later(True)
+    for i in range(3 * DuelPolicy.MAX_PENDING // 2):
+        tier.store(i)
+    assert 0 < len(policy.pending) < DuelPolicy.MAX_PENDING
+    assert sum(len(shadow) for shadow in policy.shadows) > 0  # the first MAX_PENDING were replayed
+    tier.placement.learn_later(False)  # turning it off catches up
+    assert policy.pending is None

@@ -1,0 +1,53 @@
+"""The eviction policy learns after the answer: the sidecar's half of `KVStore.learn_later`.
+
+`duel`, the default policy, replays every page a request stores or reads through two shadow
+caches to learn which of its two rules to follow. That is half of what the policy costs a store
+(kvstore/policies.py, `DuelPolicy`), and none of it changes the answer. So the app holds it
+(`store.learn_later()` when the app is made, undone on cleanup) and replays it once an answer is
+written: `soon()` queues one `catch_up` behind the answers of the current loop pass, where it
+runs while the client reads its answer and sends the next request.
+
+A pool thread holding the store's lock (a disk store, a blend) makes the catch-up retry a
+millisecond later rather than block the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+RETRY_S = 0.001  # the store's lock was busy: try again this much later
+
+
+class CatchUp:
+    """At most one queued `store.catch_up` at a time."""
+
+    def __init__(self, store: Any):
+        self.store = store
+        self.queued = False
+
+    def soon(self) -> None:
+        if not self.queued:
+            self.queued = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        if self.store.catch_up(blocking=False):
+            self.queued = False
+        else:
+            asyncio.get_running_loop().call_later(RETRY_S, self._run)
+
+
+CATCH_UP: web.AppKey[CatchUp] = web.AppKey("catch_up", CatchUp)
+
+
+@web.middleware
+async def learn_after(request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The outermost middleware: every request aiohttp answers queues a catch-up (the fast path
+    queues its own)."""
+    try:
+        return await handler(request)
+    finally:
+        request.app[CATCH_UP].soon()
