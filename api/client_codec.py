@@ -38,7 +38,9 @@ def tokens_bin(tokens: Any) -> memoryview:
     arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype="<i4")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}", field="tokens")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
+    value_bits = arr.dtype.itemsize * 8 - (arr.dtype.kind == "i")  # int32: 31, uint32: 32
+    # int32 and narrower cannot go past the top of the range: one reduction per call, not two.
+    if arr.size and (int(arr.min()) < 0 or (value_bits > 31 and int(arr.max()) > _INT32_MAX)):
         raise InvalidTokens(f"tokens: ids must be in [0, {_INT32_MAX}]", field="tokens")
     return memoryview(np.ascontiguousarray(arr, dtype="<i4")).cast("B")
 
