@@ -2,6 +2,7 @@
 stops cleanly on SIGTERM and finds its pages on disk after a restart."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from api_helpers import random_kv
 from api.client import KVStoreClient
 from api.config import ServerConfig
 from kvstore.config import StoreConfig
-from api.server import ServeError, check_bind
+from api.server import GC_YOUNG_THRESHOLD, ServeError, _settle_collector, check_bind
 from kvstore import ModelSpec
 from kvstore.cli import build_configs, build_parser, main
 
@@ -113,3 +114,14 @@ def test_stats_command_prints_json(live_server, capsys):
     assert main(["stats", "--url", live_server.url], {}) == 0
     assert "tiers" in json.loads(capsys.readouterr().out)
     assert main(["stats", "--url", "http://127.0.0.1:1"], {}) == 1
+
+
+def test_serving_hides_start_up_objects_from_the_collector_and_collects_young_ones_less_often():
+    threshold = gc.get_threshold()
+    try:
+        _settle_collector()
+        assert gc.get_freeze_count() > 10_000  # torch's modules, among others: no full collection scans them
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *threshold[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
