@@ -22,11 +22,12 @@ import logging
 import threading
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec, StoreConfig
-from kvstore.copy import copy_into
+from kvstore.copy import copy_into, host_array
 from kvstore.errors import InsufficientStorage, InvalidModelSpec, PayloadTooLarge
 from kvstore.host_memory import empty_host
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
@@ -268,14 +269,21 @@ class KVStore:
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
         records: dict[bytes, PageRecord | None] = {}
         stream = self._tiers.record_batches(reads, spec, out, start)  # payloads land in `out` where they can
+        out_array = host_array(out)
         try:
             for node, first, used, tier, slot in reads:
                 lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page
-                if slot is None and node.key not in records:
-                    records = next(stream, {})
-                page = self._tiers.read_page(spec, node, tier, slot, records.pop(node.key, None),
-                                       whole=(lo == first and used == node.num_tokens),
-                                       out=out[:, :, lo - start:first + used - start])
+                whole = lo == first and used == node.num_tokens
+                raw = self._tiers.slot_array(spec, tier, slot, used) \
+                    if whole and slot is not None and out_array is not None else None
+                if raw is not None:  # a whole raw page in host memory: numpy copies it
+                    np.copyto(out_array[:, :, lo - start:first + used - start], raw, casting="no")
+                    page: torch.Tensor | bool | None = True
+                else:
+                    if slot is None and node.key not in records:
+                        records = next(stream, {})
+                    page = self._tiers.read_page(spec, node, tier, slot, records.pop(node.key, None), whole=whole,
+                                                 out=out[:, :, lo - start:first + used - start])
                 if page is None:  # the copy went bad (corrupt, evicted by Redis, unreachable): serve what came before it
                     lost.append((node, tier))
                     matched = first
@@ -404,15 +412,21 @@ class KVStore:
         shared = self._tiers.record_tiers.get("redis")
         shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
         ok = False
+        kv_array = host_array(kv)
         try:
             for node, tier, slot, s, e in writes:
-                page_kv = kv[:, :, s - start:e - start]  # (L, 2, n, H, D)
-                if slot is not None:
-                    self._tiers.codecs[tier].encode(spec, page_kv, slot[:self._tiers.codecs[tier].encoded_bytes(spec, e - s)])
+                raw = self._tiers.slot_array(spec, tier, slot, e - s) \
+                    if slot is not None and kv_array is not None else None
+                if raw is not None:  # a raw page in host memory: numpy copies it in
+                    np.copyto(raw, kv_array[:, :, s - start:e - start], casting="no")
+                elif slot is not None:
+                    self._tiers.codecs[tier].encode(spec, kv[:, :, s - start:e - start],
+                                                    slot[:self._tiers.codecs[tier].encoded_bytes(spec, e - s)])
                 else:
-                    durable.append(self._tiers.record_tiers[tier].put(self._tiers.record(spec, node, tier, kv=page_kv)))
+                    durable.append(self._tiers.record_tiers[tier].put(
+                        self._tiers.record(spec, node, tier, kv=kv[:, :, s - start:e - start])))
                 if shared is not None and tier != "redis" and shared.available:
-                    shares.append((node, self._tiers.record(spec, node, "redis", kv=page_kv)))
+                    shares.append((node, self._tiers.record(spec, node, "redis", kv=kv[:, :, s - start:e - start])))
             ok = True
         finally:
             with self._lock:

@@ -24,6 +24,7 @@ import torch
 from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
 from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import ModelSpec, StoreConfig
+from kvstore.copy import NUMPY_DTYPES
 from kvstore.index import Node, PageIndex
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
@@ -189,6 +190,17 @@ class TierStack:
                 yield from record_tier.read_ahead(batches, landings)
             else:
                 yield {batches[0][0]: record_tier.get(batches[0][0])}
+
+    def slot_array(self, spec: ModelSpec, tier: str, slot: torch.Tensor, num_tokens: int) -> Any:
+        """A slot that holds its page raw (codec "none") in host memory, as a numpy view of the
+        page's KV (L, 2, n, H, D): the store copies whole pages in and out of it with numpy
+        (kvstore/copy.py `host_array`). None where the codec must encode or decode the page, the
+        slot is on a GPU, or numpy lacks the model's dtype (bfloat16): use `read_page` and the
+        codec's `encode`."""
+        dtype = NUMPY_DTYPES.get(spec.dtype)
+        if dtype is None or self.codecs[tier].name != "none" or not slot.is_cpu:
+            return None
+        return slot.numpy()[:num_tokens * spec.bytes_per_token].view(dtype).reshape(spec.kv_shape(num_tokens))
 
     def read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
                    record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:

@@ -1,6 +1,7 @@
 """KVStore as a user sees it: hits, bytes, tensors and errors."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -343,3 +344,21 @@ def test_a_sequence_just_stored_is_served_whole_under_pressure(make_store, spec,
         store.store("m", tokens, kv)
         got = store.fetch("m", tokens)
         assert got.matched_tokens == 16 and torch.equal(got.kv, kv), (policy, i)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_every_dtype_and_layout_round_trips_bit_exact_from_any_start(make_store, spec, dtype):
+    # float16/float32 pages are copied as numpy views, bfloat16 through torch; the caller's
+    # tensor may be a strided view, and a fetch may start inside a page.
+    spec = dataclasses.replace(spec, dtype=dtype)
+    store = make_store()
+    store.register_model("m", spec)
+    tokens = list(range(1, 11))  # 2 full pages + a 2-token tail page
+    kv = random_kv(spec, 10)
+    strided = kv.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, not contiguous
+    assert not strided.is_contiguous()
+    assert store.store("m", tokens, strided).stored_tokens == 10
+    for start in (0, 2, 4, 9):
+        got = store.fetch("m", tokens, start=start)
+        assert got.matched_tokens == 10 and got.kv.dtype == kv.dtype
+        assert torch.equal(got.kv, kv[:, :, start:])
