@@ -23,11 +23,15 @@ Features (all computable by a policy from the `Node` and its own bookkeeping):
 - `gap_ms`: the request's inter-arrival time (a policy does not see it; for comparison).
 
 With `--belady` the label is the offline optimum's (was the page served before Belady evicted
-it), to see which pages the optimum invests in.
+it), to see which pages the optimum invests in. With `--optgen` it is what a Hawkeye predictor
+trains on (Jain & Lin, ISCA 2016): would MIN at the tier's size, over the stream of references
+the tier sees, keep the page from this store to its next use (`bench.belady.OptGen`; a reuse
+more than 8 turnovers later counts as not kept); the replay itself is `lru-tail`'s.
 
     python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --capacities 0.02,0.05
     python bench/reuse_features.py --preset chat --seed 0
     python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --belady
+    python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --optgen
 
 It prints, per feature and bucket, the share of inserted pages, the reuse rate under LRU and
 the ever-reused rate, and the weighted entropy drop each feature gives on the `reused` label.
@@ -49,7 +53,7 @@ if __package__ in (None, ""):  # run as a script
 from kvstore.index import Node
 from kvstore.policies import LRUTailPolicy
 
-from bench.belady import BeladyPolicy
+from bench.belady import BeladyPolicy, OptGen
 from bench.replay import NEVER, NextUse, compile_trace, replay
 from bench.traces import PRESETS, Request, generate, load_trace
 
@@ -67,12 +71,16 @@ def bucket(n: int) -> str:
 
 class Recorder(LRUTailPolicy):
     """`lru-tail` (or, with `belady`, the offline optimum) that records each page's features at
-    insert and its outcome at removal."""
+    insert and its outcome at removal (with `optgen`: MIN's decision, once its next use comes)."""
 
     def __init__(self, tier: str, oracle: NextUse, gaps: list[float], req_lens: list[int], capacity: int,
-                 rows: list, belady: bool = False):
+                 rows: list, belady: bool = False, optgen: bool = False):
         super().__init__(tier)
         self.belady = BeladyPolicy(tier, oracle) if belady else None
+        # Every reference (a store, or the first touch of a held page in a request) goes through
+        # OPTgen; stores carry their features as the tag, and get the row when MIN decides.
+        self.optgen = OptGen(lambda f, kept: f is not None and rows.append((f, kept))) if optgen else None
+        self.referenced: dict[Node, int] = {}  # node -> store number at its last reference
         self.oracle, self.gaps, self.capacity, self.rows = oracle, gaps, capacity, rows
         self.req_lens = req_lens  # a policy learns a request's length only when it is done
         self.feat: dict[Node, dict] = {}
@@ -118,14 +126,25 @@ class Recorder(LRUTailPolicy):
             "req_len": bucket(self.req_lens[request]),
             "to_end": bucket(self.req_lens[request] - node.depth), "gap_ms": bucket(int(gap)),
         }
+        if self.optgen is not None:
+            self.referenced[node] = self.stores
+            self.optgen.reference(node.key, self.feat[node], self.capacity)
+
+    def touch(self, node: Node) -> None:
+        # A request's fetch and store touch a held page twice, with no store between: one reference.
+        if self.optgen is not None and node in self._live and self.referenced.get(node) != self.stores:
+            self.referenced[node] = self.stores
+            self.optgen.reference(node.key, None, self.capacity)
+        super().touch(node)
 
     def priority(self, node: Node) -> Any:
         return self.belady.priority(node) if self.belady is not None else super().priority(node)
 
     def remove(self, node: Node) -> None:
         super().remove(node)
+        self.referenced.pop(node, None)
         f = self.feat.pop(node, None)
-        if f is not None:
+        if f is not None and self.optgen is None:
             self.rows.append((f, node.hits > 0))
 
 
@@ -137,7 +156,7 @@ def report(name: str, rows: list) -> None:
     n = len(rows)
     base = sum(r for _, r in rows) / n
     ever = sum(f["_ever"] for f, _ in rows) / n
-    print(f"\n{name}: {n} pages evicted, reused {base:.3f}, ever reused {ever:.3f}")
+    print(f"\n{name}: {n} pages labelled, reused {base:.3f}, ever reused {ever:.3f}")
     gains = []
     for feature in FEATURES:
         by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -155,14 +174,16 @@ def report(name: str, rows: list) -> None:
           + ", ".join(f"{f} {g:.3f}" for g, f in sorted(gains, reverse=True)))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trace", nargs="?", help="Mooncake-format JSONL (or --preset)")
     parser.add_argument("--preset", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--capacities", default="0.02,0.05")
-    parser.add_argument("--belady", action="store_true", help="label by the offline optimum's hits, not lru's")
-    args = parser.parse_args()
+    label = parser.add_mutually_exclusive_group()
+    label.add_argument("--belady", action="store_true", help="label by the offline optimum's hits, not lru's")
+    label.add_argument("--optgen", action="store_true", help="label by MIN's decision at the tier's size (OPTgen)")
+    args = parser.parse_args(argv)
     if args.preset:
         requests: list[Request] = generate(replace(PRESETS[args.preset], seed=args.seed))
         name = f"{args.preset} seed {args.seed}"
@@ -176,8 +197,9 @@ def main() -> None:
         rows: list = []
         oracle = NextUse()
         replay(trace, [("cpu", capacity)], lambda tier: Recorder(tier, oracle, gaps, req_lens, capacity, rows,
-                                                                      args.belady), oracle)
-        report(f"{name} at {fraction:.0%} ({capacity} pages), {'belady' if args.belady else 'lru-tail'}", rows)
+                                                                      args.belady, args.optgen), oracle)
+        labelled = "belady" if args.belady else "lru-tail, labelled by OPTgen" if args.optgen else "lru-tail"
+        report(f"{name} at {fraction:.0%} ({capacity} pages), {labelled}", rows)
 
 
 if __name__ == "__main__":

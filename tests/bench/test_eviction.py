@@ -76,3 +76,75 @@ def test_cli_writes_json_and_multi_tier_hits(tmp_path) -> None:
         assert set(row) >= {"policy", "capacity_fraction", "capacity_blocks", "hit_ratio", "tier_hits",
                             "prefill_tokens_saved"}
         assert sum(row["tier_hits"].values()) > 0 and row["tier_hits"]["cpu"] > 0
+
+
+def _min_with_bypass(keys: list[bytes], capacity: int) -> int:
+    """Hits of Belady's MIN when a missed key may be dropped at once: keep the `capacity` keys
+    whose next use is soonest (the one just referenced included)."""
+    next_use, seen = [0] * len(keys), {}
+    for i in range(len(keys) - 1, -1, -1):
+        next_use[i] = seen.get(keys[i], len(keys))
+        seen[keys[i]] = i
+    cache: dict[bytes, int] = {}
+    hits = 0
+    for i, key in enumerate(keys):
+        hits += key in cache
+        cache[key] = next_use[i]
+        if len(cache) > capacity:
+            del cache[max(cache, key=cache.__getitem__)]
+    return hits
+
+
+def test_optgen_reconstructs_belady_with_bypass(monkeypatch) -> None:
+    # Over a window long enough to hold every reuse, OPTgen's online decisions are MIN's.
+    import random
+
+    import bench.belady as belady
+
+    monkeypatch.setattr(belady, "WINDOW_TURNOVERS", 10**6)
+    for trial in range(200):
+        rng = random.Random(trial)
+        keys = [bytes([rng.randrange(rng.randint(2, 12))]) for _ in range(rng.randint(5, 60))]
+        capacity = rng.randint(1, 5)
+        outcomes: list[bool] = []
+        optgen = belady.OptGen(lambda tag, hit: outcomes.append(hit))
+        for key in keys:
+            optgen.reference(key, None, capacity)
+        assert sum(outcomes) == _min_with_bypass(keys, capacity), (trial, capacity)
+
+
+def test_optgen_tags_outcomes_and_forgets_past_its_window() -> None:
+    from bench.belady import WINDOW_TURNOVERS, OptGen
+
+    outcomes: list[tuple[str, bool]] = []
+    optgen = OptGen(lambda tag, hit: outcomes.append((tag, hit)))
+    for key, tag in ((b"a", "a1"), (b"b", "b1"), (b"a", "a2")):  # capacity 1: a's reuse fits
+        optgen.reference(key, tag, 1)
+    assert outcomes == [("a1", True)]
+    for i in range(WINDOW_TURNOVERS + 1):  # a is not referenced again within 8 steps: MIN dropped it
+        optgen.reference(bytes([100 + i]), None, 1)
+    assert ("a2", False) in outcomes and ("b1", False) in outcomes
+
+
+def test_reuse_features_optgen_label_is_reuse_when_everything_fits() -> None:
+    # With room for every block nothing is evicted and MIN keeps every page until its next use:
+    # each stored page whose key is used again gets one row, labelled kept, and no other does.
+    from bench.reuse_features import Recorder
+
+    requests = generate(replace(SMALL["chat"], seed=5))
+    trace = compile_trace("chat", requests)
+    capacity = trace.unique_blocks
+    rows: list = []
+    made: list[Recorder] = []
+    oracle = NextUse()
+
+    def make(tier: str) -> Recorder:
+        made.append(Recorder(tier, oracle, [0.0] * len(requests), [len(r.hash_ids) for r in requests],
+                             capacity, rows, optgen=True))
+        return made[0]
+
+    replay(trace, [("cpu", capacity)], make, oracle)
+    stored = list(made[0].feat.values())  # every page stored, none evicted
+    assert len(stored) == trace.unique_blocks
+    assert len(rows) == sum(f["_ever"] for f in stored) > 100
+    assert all(kept and features["_ever"] for features, kept in rows)
