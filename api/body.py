@@ -3,8 +3,7 @@
 aiohttp's `Request.read()` grows a bytearray chunk by chunk and then copies it into `bytes`
 (two copies of every KV byte, plus reallocations). With a known Content-Length we allocate the
 final buffer up front and copy each received chunk into place once; the buffer is writable, so
-`torch.frombuffer` can view it without a warning or a copy. Used by the server and the async
-client alike.
+`torch.frombuffer` can view it without a warning or a copy.
 
 A Content-Length is a claim, not bytes: only the first EAGER_ALLOC_BYTES are allocated up front,
 and the buffer then grows (doubling) as bytes actually arrive, so a client that announces 1 GiB

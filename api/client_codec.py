@@ -1,6 +1,6 @@
 """What the clients put on the wire and how they read answers, transport aside.
 
-Shared by `KVStoreClient` (http.client) and `AsyncKVStoreClient` (aiohttp): tokens go as a
+Used by `KVStoreClient` (api/http1.py; `AsyncKVStoreClient` runs it on threads): tokens go as a
 `bin` of little-endian int32, `kv` as the tensor's own bytes after a hand-built msgpack prefix
 (the caller sends the parts back to back, never joined), and a response's `kv` is viewed in
 place in the buffer it was read into. Error bodies become the `KVStoreError` subclass named by

@@ -1,6 +1,7 @@
 """KVStoreClient and AsyncKVStoreClient: the KVStore surface over HTTP, same results, same errors."""
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import numpy as np
@@ -102,3 +103,27 @@ async def test_async_client_unreachable_is_backend_unavailable():
     async with AsyncKVStoreClient(f"http://127.0.0.1:{port}", timeout_s=2) as client:
         with pytest.raises(BackendUnavailable):
             await client.stats()
+
+
+async def test_async_client_runs_calls_concurrently_through_shared_memory(live_server, spec: ModelSpec):
+    # The sync client's path on a thread pool: 8 concurrent stores and fetches each get their own
+    # KV back, and on the sidecar's host the fetched tensors view the client's shared memory.
+    async with AsyncKVStoreClient(live_server.url, max_connections=4) as client:
+        await client.register_model("m", spec)
+        kvs = [random_kv(spec, 8, seed=i) for i in range(8)]
+        prompts = [list(range(100 * i, 100 * i + 8)) for i in range(8)]
+        stored = await asyncio.gather(*[client.store("m", p, kv) for p, kv in zip(prompts, kvs)])
+        assert all(result.stored_tokens == 8 for result in stored)
+        await client.fetch("m", prompts[0])  # teaches the client the model's bytes per token
+        fetched = await asyncio.gather(*[client.fetch("m", p) for p in prompts])
+        assert all(torch.equal(got.kv, kv) for got, kv in zip(fetched, kvs))
+        arena = client._client._arena
+        assert arena is not None
+        base = arena.view(0, 1).ctypes.data
+        assert all(base <= got.kv.data_ptr() < base + arena.nbytes for got in fetched)
+        assert await client.healthz()
+
+
+def test_async_client_max_connections_is_validated():
+    with pytest.raises(ValueError, match="max_connections"):
+        AsyncKVStoreClient("http://127.0.0.1:1", max_connections=0)
