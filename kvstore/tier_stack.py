@@ -194,8 +194,8 @@ class TierStack:
     def slot_array(self, spec: ModelSpec, tier: str, slot: torch.Tensor, num_tokens: int) -> Any:
         """A slot that holds its page raw (codec "none") in host memory, as a numpy view of the
         page's KV (L, 2, n, H, D): the store copies whole pages in and out of it with numpy
-        (kvstore/copy.py `host_array`). None where the codec must encode or decode the page, the
-        slot is on a GPU, or numpy lacks the model's dtype (bfloat16): use `read_page` and the
+        (kvstore/copy.py `host_array`, whose dtypes these are: bfloat16 as int16). None where the
+        codec must encode or decode the page or the slot is on a GPU: use `read_page` and the
         codec's `encode`."""
         dtype = NUMPY_DTYPES.get(spec.dtype)
         if dtype is None or self.codecs[tier].name != "none" or not slot.is_cpu:

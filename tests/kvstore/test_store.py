@@ -348,8 +348,8 @@ def test_a_sequence_just_stored_is_served_whole_under_pressure(make_store, spec,
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_every_dtype_and_layout_round_trips_bit_exact_from_any_start(make_store, spec, dtype):
-    # float16/float32 pages are copied as numpy views, bfloat16 through torch; the caller's
-    # tensor may be a strided view, and a fetch may start inside a page.
+    # Whole pages are copied as numpy views (bfloat16 as its int16 bits), partial ones through
+    # the codec; the caller's tensor may be a strided view, and a fetch may start inside a page.
     spec = dataclasses.replace(spec, dtype=dtype)
     store = make_store()
     store.register_model("m", spec)
