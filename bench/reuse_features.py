@@ -78,8 +78,8 @@ class Recorder(LRUTailPolicy):
         super().__init__(tier)
         self.belady = BeladyPolicy(tier, oracle) if belady else None
         # Every reference (a store, or the first touch of a held page in a request) goes through
-        # OPTgen; stores carry their features as the tag, and get the row when MIN decides.
-        self.optgen = OptGen(lambda f, kept: f is not None and rows.append((f, kept))) if optgen else None
+        # OPTgen; stores carry their features as the tag, and get their row when MIN decides.
+        self.optgen = OptGen(self._min_decided) if optgen else None
         self.referenced: dict[Node, int] = {}  # node -> store number at its last reference
         self.oracle, self.gaps, self.capacity, self.rows = oracle, gaps, capacity, rows
         self.req_lens = req_lens  # a policy learns a request's length only when it is done
@@ -129,6 +129,10 @@ class Recorder(LRUTailPolicy):
         if self.optgen is not None:
             self.referenced[node] = self.stores
             self.optgen.reference(node.key, self.feat[node], self.capacity)
+
+    def _min_decided(self, features: dict | None, kept: bool) -> None:
+        if features is not None:  # a store's reference (touches carry no features)
+            self.rows.append((features, kept))
 
     def touch(self, node: Node) -> None:
         # A request's fetch and store touch a held page twice, with no store between: one reference.
