@@ -340,9 +340,9 @@ class DuelPolicy(EvictionPolicy):
 
     With `learn_later(True)` (the sidecar), references are held in `pending` and replayed
     through the shadows by `catch_up`, which the sidecar calls once an answer is on the wire: the
-    shadows are half of this policy's cost (a 4-page store in-process: 339 µs, 255 µs with the
-    shadows held, 172 µs with `lru-tail`), and only which candidate leads depends on them, never
-    which pages the rankings hold. The leader then lags by the references not yet replayed,
+    shadows are most of this policy's cost (a 4-page 2 MiB store in-process: 265-296 µs,
+    196-202 µs with the shadows held, 155-157 µs with `lru-tail`), and only which candidate leads
+    depends on them, never which pages the rankings hold. The leader then lags by the references not yet replayed,
     a request's worth against a horizon of ~16 turnovers. At most MAX_PENDING are held: a store
     used in-process with nobody calling `catch_up` replays them inline in batches.
 

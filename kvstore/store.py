@@ -135,7 +135,7 @@ class KVStore:
 
     def learn_later(self, on: bool = True) -> None:
         """Let the eviction policy hold what it learns from each request (`duel`'s shadow caches,
-        half of its cost) until `catch_up()`, so a caller can answer first and learn after. What
+        most of its cost) until `catch_up()`, so a caller can answer first and learn after. What
         the tiers hold and which page goes next stay current; only the policy's choice of rule
         lags. The sidecar does this; an engine calling the store in-process need not."""
         with self._lock:
