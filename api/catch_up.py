@@ -1,7 +1,7 @@
 """The eviction policy learns after the answer: the sidecar's half of `KVStore.learn_later`.
 
 `duel`, the default policy, replays every page a request stores or reads through two shadow
-caches to learn which of its two rules to follow. That is half of what the policy costs a store
+caches to learn which of its two rules to follow. That is most of what the policy costs a store
 (kvstore/policies.py, `DuelPolicy`), and none of it changes the answer. So the app holds it
 (`store.learn_later()` when the app is made, undone on cleanup) and replays it once an answer is
 written: `soon()` queues one `catch_up` behind the answers of the current loop pass, where it
