@@ -110,3 +110,15 @@ def test_random_mix_keeps_accounts_and_quotas(make_store):
         assert held == stats["tiers"]["cpu"]["bytes"], step
         for tenant, quota in quotas.items():
             assert stats["tenants"][tenant]["bytes"].get("cpu", 0) <= quota, step
+
+
+def test_a_quota_set_while_learning_later_learns_later_too(make_store):
+    # The sidecar turns learn_later on before any quota exists; a tenant's own policy made
+    # afterwards must hold its learning as the tier's does, and hand it back on learn_later(False).
+    store = make_store()
+    store.learn_later()
+    store.set_tenant_quota("a", 1 << 20)
+    own = store._placement.tenant_policies[("cpu", "a")]
+    assert own.pending == []
+    store.learn_later(False)
+    assert own.pending is None and store._placement.policies["cpu"].pending is None
