@@ -419,12 +419,13 @@ class KVStore:
                     if slot is not None and kv_array is not None else None
                 if raw is not None:  # a raw page in host memory: numpy copies it in
                     np.copyto(raw, kv_array[:, :, s - start:e - start], casting="no")
-                elif slot is not None:
-                    self._tiers.codecs[tier].encode(spec, kv[:, :, s - start:e - start],
-                                                    slot[:self._tiers.codecs[tier].encoded_bytes(spec, e - s)])
                 else:
-                    durable.append(self._tiers.record_tiers[tier].put(
-                        self._tiers.record(spec, node, tier, kv=kv[:, :, s - start:e - start])))
+                    page_kv = kv[:, :, s - start:e - start]  # (L, 2, n, H, D)
+                    if slot is not None:
+                        codec = self._tiers.codecs[tier]
+                        codec.encode(spec, page_kv, slot[:codec.encoded_bytes(spec, e - s)])
+                    else:
+                        durable.append(self._tiers.record_tiers[tier].put(self._tiers.record(spec, node, tier, kv=page_kv)))
                 if shared is not None and tier != "redis" and shared.available:
                     shares.append((node, self._tiers.record(spec, node, "redis", kv=kv[:, :, s - start:e - start])))
             ok = True
