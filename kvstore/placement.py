@@ -99,12 +99,16 @@ class Placement:
     def learn_later(self, on: bool) -> None:
         """Let every policy hold its learning (set dueling's shadows) until `catch_up`."""
         self._learn_later = on
-        for policy in [*self.policies.values(), *self.tenant_policies.values()]:
+        for policy in self._every_policy():
             policy.learn_later(on)
 
     def catch_up(self) -> None:
-        for policy in [*self.policies.values(), *self.tenant_policies.values()]:
+        for policy in self._every_policy():
             policy.catch_up()
+
+    def _every_policy(self) -> list[EvictionPolicy]:
+        """The tiers' policies and the tenants' own ones."""
+        return [*self.policies.values(), *self.tenant_policies.values()]
 
     def set_quota(self, tenant: str, max_bytes: int | None) -> None:
         """Cap `tenant`'s bytes in each memory tier (None: no cap). A lower cap than the tenant
