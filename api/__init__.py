@@ -1,8 +1,8 @@
 """The HTTP sidecar (aiohttp app factory, wire format, server) and its Python clients.
 
-    from api import create_app, KVStoreClient, AsyncKVStoreClient
+    from kvstore.api import create_app, KVStoreClient, AsyncKVStoreClient
 
-Imports are lazy so that `api.config` and `api.client` load without the server's dependencies.
+Imports are lazy so that `kvstore.api.config` and `kvstore.api.client` load without the server's dependencies.
 """
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ __all__ = ["create_app", "ServerConfig", "KVStoreClient", "AsyncKVStoreClient"]
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from api.app import create_app
+        from kvstore.api.app import create_app
 
         return create_app
     if name == "ServerConfig":
-        from api.config import ServerConfig
+        from kvstore.api.config import ServerConfig
 
         return ServerConfig
     if name in ("KVStoreClient", "AsyncKVStoreClient"):
-        from api import client
+        from kvstore.api import client
 
         return getattr(client, name)
     raise AttributeError(name)

@@ -11,15 +11,15 @@ from typing import Any
 
 from aiohttp import web
 
-from api.auth import authenticate, load_auth_file
-from api.catch_up import CATCH_UP, CatchUp, learn_after
-from api.config import ServerConfig
-from api.context import AUTH, CONFIG, EXECUTOR, SHARED_MEMORY, STORE
-from api.fast_path import FAST_PATH, FastPath, count_answers
-from api.metrics import METRICS, Metrics, measure
-from api.middleware import errors
-from api.routes import ROUTES
-from api.shared_memory import SharedMemoryArenas
+from kvstore.api.auth import authenticate, load_auth_file
+from kvstore.api.catch_up import CATCH_UP, CatchUp, learn_after
+from kvstore.api.config import ServerConfig
+from kvstore.api.context import AUTH, CONFIG, EXECUTOR, SHARED_MEMORY, STORE
+from kvstore.api.fast_path import FAST_PATH, FastPath, count_answers
+from kvstore.api.metrics import METRICS, Metrics, measure
+from kvstore.api.middleware import errors
+from kvstore.api.routes import ROUTES
+from kvstore.api.shared_memory import SharedMemoryArenas
 
 
 def create_app(store: Any, config: ServerConfig | None = None) -> web.Application:

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from api.context import AUTH, TENANT
+from kvstore.api.context import AUTH, TENANT
 from kvstore.errors import Unauthorized
 from kvstore.sizes import parse_bytes
 

@@ -24,10 +24,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from api import client_codec as codec
-from api.client_arena import ClientArena
-from api.config import is_loopback
-from api.http1 import Connection, ProtocolError
+from kvstore.api import client_codec as codec
+from kvstore.api.client_arena import ClientArena
+from kvstore.api.config import is_loopback
+from kvstore.api.http1 import Connection, ProtocolError
 from kvstore.config import ModelSpec
 from kvstore.errors import BackendUnavailable, KVStoreError, SharedMemoryRefused
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult

@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 import torch
 
-from api.shared_memory import HEADER_BYTES, SECRET_BYTES
+from kvstore.api.shared_memory import HEADER_BYTES, SECRET_BYTES
 
 ALIGN_BYTES = 4096  # regions start on page boundaries: copies into them stay aligned
 

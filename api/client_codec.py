@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import torch
 
-from api.framing import FramingError, pack_map_prefix, unpack_map
+from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import DTYPE_BYTES, ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError

@@ -14,7 +14,7 @@ from typing import Callable, cast
 
 from aiohttp import web
 
-from api.fast_path import FAST_PATH, FastPath, Lane
+from kvstore.api.fast_path import FAST_PATH, FastPath, Lane
 
 _BODY = b'{"error": {"code": "too_many_connections", "message": "server connection limit reached; retry"}}'
 REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"

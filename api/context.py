@@ -12,8 +12,8 @@ from typing import Any, Callable, TypeVar
 
 from aiohttp import web
 
-from api.config import ServerConfig
-from api.shared_memory import SharedMemoryArenas
+from kvstore.api.config import ServerConfig
+from kvstore.api.shared_memory import SharedMemoryArenas
 
 T = TypeVar("T")
 

@@ -39,12 +39,12 @@ from typing import Any, Awaitable, Callable
 import msgpack
 from aiohttp import web
 
-from api import handlers, wire
-from api.auth import PROTECTED_PREFIX, bearer_tenant
-from api.catch_up import CATCH_UP
-from api.context import AUTH, CONFIG
-from api.framing import pack_map_prefix
-from api.metrics import METRICS
+from kvstore.api import handlers, wire
+from kvstore.api.auth import PROTECTED_PREFIX, bearer_tenant
+from kvstore.api.catch_up import CATCH_UP
+from kvstore.api.context import AUTH, CONFIG
+from kvstore.api.framing import pack_map_prefix
+from kvstore.api.metrics import METRICS
 
 Answer = tuple[dict, Any]  # (fields, kv bytes or None)
 Route = Callable[[web.Application, Any, dict, "str | None"], "Answer | None"]

@@ -10,10 +10,10 @@ from typing import Any, Callable
 import torch
 from aiohttp import web
 
-from api import wire
-from api.context import CONFIG, SHARED_MEMORY, STORE, run_blocking, tenant_of
-from api.metrics import METRICS
-from api.openapi import openapi_document
+from kvstore.api import wire
+from kvstore.api.context import CONFIG, SHARED_MEMORY, STORE, run_blocking, tenant_of
+from kvstore.api.metrics import METRICS
+from kvstore.api.openapi import openapi_document
 
 
 async def _body(request: web.Request) -> dict:

@@ -11,7 +11,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from api import wire
+from kvstore.api import wire
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.api")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from api import handlers
+from kvstore.api import handlers
 
 ROUTES: list[web.RouteDef] = [
     web.get("/healthz", handlers.healthz, allow_head=False),

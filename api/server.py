@@ -18,10 +18,10 @@ import sys
 
 from aiohttp import web
 
-from api.app import create_app
-from api.auth import load_auth_file
-from api.config import ServerConfig
-from api.connection_limit import ConnectionLimitedSite
+from kvstore.api.app import create_app
+from kvstore.api.auth import load_auth_file
+from kvstore.api.config import ServerConfig
+from kvstore.api.connection_limit import ConnectionLimitedSite
 from kvstore.config import StoreConfig
 from kvstore.sizes import format_bytes
 

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from api.body import read_exact, read_limited
-from api.framing import FramingError, pack_map_prefix, unpack_map
-from api.shared_memory import Registration
+from kvstore.api.body import read_exact, read_limited
+from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
+from kvstore.api.shared_memory import Registration
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import (InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens,

@@ -37,7 +37,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from api.client import KVStoreClient  # noqa: E402
+from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore import ModelSpec  # noqa: E402
 
 # 32 KiB of KV per token (8 layers x 8 KV heads x 128 dims, fp16), 16-token pages of 512 KiB:

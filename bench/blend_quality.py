@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import blend_task as task  # noqa: E402
 from bench.ttft import ARCH as TTFT_ARCH  # noqa: E402
-from decode import LlamaModel, generate, load_checkpoint, tiny_model  # noqa: E402
+from kvstore.decode import LlamaModel, generate, load_checkpoint, tiny_model  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 

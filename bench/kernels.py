@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from gpu import runtime  # noqa: E402
-from gpu.paged import gather_pages, scatter_pages  # noqa: E402
-from gpu.quant import dequantize, dequantize_ref, quantize, quantize_ref  # noqa: E402
-from gpu.rope import rope_rerotate, rope_rerotate_ref  # noqa: E402
+from kvstore.gpu import runtime  # noqa: E402
+from kvstore.gpu.paged import gather_pages, scatter_pages  # noqa: E402
+from kvstore.gpu.quant import dequantize, dequantize_ref, quantize, quantize_ref  # noqa: E402
+from kvstore.gpu.rope import rope_rerotate, rope_rerotate_ref  # noqa: E402
 from kvstore.codecs import get_codec  # noqa: E402
 from kvstore.config import ModelSpec  # noqa: E402
 
@@ -123,7 +123,7 @@ def run(page_kib: list[int], batches: list[int], peak: float | None, ceiling: fl
 
 
 def _pcie(spec: ModelSpec, n: int, record: Callable[..., None], int8: Any) -> None:
-    from tiers.gpu import GPUTier
+    from kvstore.tiers.gpu import GPUTier
 
     pb, enc = spec.page_bytes, int8.encoded_bytes(spec, spec.page_size)
     tier = GPUTier(n * GPUTier.slot_bytes(pb))

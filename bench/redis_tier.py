@@ -34,11 +34,11 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kvstore.tier_stack  # noqa: E402
-import tiers.redis  # noqa: E402
+import kvstore.tiers.redis  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.keys import namespace_key, prefix_keys  # noqa: E402
-from tiers.redis_conn import make_client  # noqa: E402
-from tiers.redis_reader import pipelined_gets  # noqa: E402
+from kvstore.tiers.redis_conn import make_client  # noqa: E402
+from kvstore.tiers.redis_reader import pipelined_gets  # noqa: E402
 
 # 32 layers x 8 KV heads x 128 dims x fp16 x 16 tokens = a 2 MiB page (Llama-3-8B's shape).
 SPEC_2MIB = ModelSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
@@ -127,15 +127,15 @@ def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, one_page_repe
             return pipe.execute()
 
         out["pipelined_vs_raw_pipeline"] = interleaved(lambda: store.fetch("m", many), raw_pipeline, repeat, bar)
-        batch, ahead = kvstore.tier_stack.READ_BATCH_BYTES, tiers.redis.READ_AHEAD
+        batch, ahead = kvstore.tier_stack.READ_BATCH_BYTES, kvstore.tiers.redis.READ_AHEAD
 
         def page_by_page() -> None:
             # One page per round trip, none ahead: the same code path, unpipelined.
-            kvstore.tier_stack.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = 1, 1
+            kvstore.tier_stack.READ_BATCH_BYTES, kvstore.tiers.redis.READ_AHEAD = 1, 1
             try:
                 store.fetch("m", many)
             finally:
-                kvstore.tier_stack.READ_BATCH_BYTES, tiers.redis.READ_AHEAD = batch, ahead
+                kvstore.tier_stack.READ_BATCH_BYTES, kvstore.tiers.redis.READ_AHEAD = batch, ahead
 
         out["pipelined_vs_page_by_page"] = interleaved(lambda: store.fetch("m", many), page_by_page, repeat, bar)
 

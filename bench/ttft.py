@@ -40,7 +40,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from decode import LlamaArch, LlamaModel, generate, tiny_model  # noqa: E402
+from kvstore.decode import LlamaArch, LlamaModel, generate, tiny_model  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             disk_bytes=4 << 30))),
         }
         if not args.no_sidecar:
-            from api.client import KVStoreClient
+            from kvstore.api.client import KVStoreClient
 
             url = args.server
             if url is None:

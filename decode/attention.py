@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from decode.paged_cache import BlockTable, PagedKVCache
+from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from typing import Sequence
 
 import torch
 
-from decode.attention import AttentionContext
-from decode.model import LlamaModel
-from decode.paged_cache import BlockTable, PagedKVCache
-from decode.recompute import selective_recompute
-from decode.reuse import BackendWarning, PrefixReuse
+from kvstore.decode.attention import AttentionContext
+from kvstore.decode.model import LlamaModel
+from kvstore.decode.paged_cache import BlockTable, PagedKVCache
+from kvstore.decode.recompute import selective_recompute
+from kvstore.decode.reuse import BackendWarning, PrefixReuse
 from kvstore.errors import Unsupported
 from kvstore.rerotate import check_rerotatable, rerotate_into
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from decode.blend import DEFAULT_BLEND_RATIO
-from decode.engine import GenerateResult, generate
-from decode.loader import load_checkpoint, tiny_model
-from decode.model import LlamaModel
-from decode.sampling import SamplingParams
+from kvstore.decode.blend import DEFAULT_BLEND_RATIO
+from kvstore.decode.engine import GenerateResult, generate
+from kvstore.decode.loader import load_checkpoint, tiny_model
+from kvstore.decode.model import LlamaModel
+from kvstore.decode.sampling import SamplingParams
 
 
 def register(subparsers: Any) -> None:
@@ -76,7 +76,7 @@ def _parse_tokens(text: str) -> list[int]:
 
 
 def _client(url: str, token: str | None) -> Any:
-    from api.client import KVStoreClient  # only with --server: keeps aiohttp out of plain generate
+    from kvstore.api.client import KVStoreClient  # only with --server: keeps aiohttp out of plain generate
 
     return KVStoreClient(url, token=token)
 
@@ -125,7 +125,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         url = args.server
         if url is None:
-            from decode.sidecar import InProcessSidecar
+            from kvstore.decode.sidecar import InProcessSidecar
             from kvstore.config import StoreConfig
 
             url = stack.enter_context(InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=256 << 20, disk_bytes=0)))

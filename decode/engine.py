@@ -18,12 +18,12 @@ from typing import Sequence
 
 import torch
 
-from decode.attention import AttentionContext
-from decode.blend import DEFAULT_BLEND_RATIO, ChunkReuse, blend_prefill, blended_prompt, cache_tokens
-from decode.model import LlamaModel
-from decode.paged_cache import BlockTable, PagedKVCache
-from decode.reuse import BackendWarning
-from decode.sampling import Sampler, SamplingParams
+from kvstore.decode.attention import AttentionContext
+from kvstore.decode.blend import DEFAULT_BLEND_RATIO, ChunkReuse, blend_prefill, blended_prompt, cache_tokens
+from kvstore.decode.model import LlamaModel
+from kvstore.decode.paged_cache import BlockTable, PagedKVCache
+from kvstore.decode.reuse import BackendWarning
+from kvstore.decode.sampling import Sampler, SamplingParams
 from kvstore.backend import KVCacheBackend
 
 __all__ = ["GenerateResult", "generate", "BackendWarning"]

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
-from decode.arch import LlamaArch
-from decode.model import LlamaModel
+from kvstore.decode.arch import LlamaArch
+from kvstore.decode.model import LlamaModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 

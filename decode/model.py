@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode.arch import LlamaArch
-from decode.attention import AttentionContext, paged_attention
-from decode.paged_cache import PagedKVCache
-from decode.rope import Rotary
+from kvstore.decode.arch import LlamaArch
+from kvstore.decode.attention import AttentionContext, paged_attention
+from kvstore.decode.paged_cache import PagedKVCache
+from kvstore.decode.rope import Rotary
 from kvstore.config import ModelSpec
 
 

@@ -23,9 +23,9 @@ from typing import Sequence
 
 import torch
 
-from decode.attention import AttentionContext, paged_attention
-from decode.model import LlamaModel
-from decode.paged_cache import BlockTable, PagedKVCache
+from kvstore.decode.attention import AttentionContext, paged_attention
+from kvstore.decode.model import LlamaModel
+from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 
 FIRST_FILTER_FACTOR = 2.0  # layer 1 keeps this many times `ratio`; later layers keep `ratio`
 SEGMENT_TOKENS = 1024  # recomputed queries attend in groups reading keys up to their group's end

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from decode.model import LlamaModel
-from decode.paged_cache import BlockTable, PagedKVCache
+from kvstore.decode.model import LlamaModel
+from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 from kvstore.backend import KVCacheBackend
 from kvstore.errors import ModelNotFound
 

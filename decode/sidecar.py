@@ -27,8 +27,8 @@ class InProcessSidecar:
     def __enter__(self) -> str:
         from aiohttp import web
 
-        from api.app import create_app
-        from api.config import ServerConfig
+        from kvstore.api.app import create_app
+        from kvstore.api.config import ServerConfig
         from kvstore.store import KVStore
 
         self._store = KVStore(self.store_config)

@@ -15,7 +15,7 @@ from typing import Sequence, Union
 
 import torch
 
-from gpu import runtime
+from kvstore.gpu import runtime
 
 PagedKV = Union[torch.Tensor, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
 _THREADS = 256

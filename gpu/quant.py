@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu import runtime
+from kvstore.gpu import runtime
 
 FORMATS = ("int8", "fp8")
 QMAX = {"int8": 127.0, "fp8": 448.0}

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from gpu import runtime
+from kvstore.gpu import runtime
 
 STYLES = ("neox", "gptj")
 SHIFT_INVARIANT_SCALINGS = ("default", "linear", "llama3")

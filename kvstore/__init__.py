@@ -1,11 +1,12 @@
 """kvstore: a tiered KV-cache store for LLM inference.
 
-    from kvstore import KVStore, StoreConfig, ModelSpec
+    from kvstore import KVStore, StoreConfig, ModelSpec               # in-process
+    from kvstore import KVStoreClient, AsyncKVStoreClient             # a running sidecar
 """
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.errors import KVStoreError
 
-__all__ = ["KVStore", "StoreConfig", "ModelSpec", "KVStoreError"]
+__all__ = ["KVStore", "StoreConfig", "ModelSpec", "KVStoreError", "KVStoreClient", "AsyncKVStoreClient"]
 __version__ = "0.1.0"
 
 
@@ -15,6 +16,10 @@ def __getattr__(name: str):
         from kvstore.store import KVStore
 
         return KVStore
+    if name in ("KVStoreClient", "AsyncKVStoreClient"):
+        from kvstore.api import client
+
+        return getattr(client, name)
     if name in ("StoreResult", "LookupResult", "FetchResult", "BlendResult"):
         from kvstore import results
 

@@ -72,7 +72,7 @@ def _converter(name: str, hint: Any) -> tuple[Callable[[str], Any], bool]:
 
 
 def _config_classes() -> list[type]:
-    from api.config import ServerConfig  # a plain dataclass: no aiohttp import
+    from kvstore.api.config import ServerConfig  # a plain dataclass: no aiohttp import
 
     return [StoreConfig, ServerConfig]
 
@@ -132,7 +132,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     stats.add_argument("--timeout-s", type=float, default=10.0)
     stats.set_defaults(run=_run_stats)
     try:  # generate/demo live with the decode loop, which may not be installed
-        from decode import cli as decode_cli
+        from kvstore.decode import cli as decode_cli
     except ImportError:
         decode_cli = None
     if decode_cli is not None and hasattr(decode_cli, "register"):
@@ -146,13 +146,13 @@ def _run_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     except ValueError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
-    from api.server import serve
+    from kvstore.api.server import serve
 
     return serve(store_config, server_config)
 
 
 def _run_stats(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from api.client import KVStoreClient
+    from kvstore.api.client import KVStoreClient
     from kvstore.errors import KVStoreError
 
     try:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu import quant
-from gpu.runtime import kernels_available
+from kvstore.gpu import quant
+from kvstore.gpu.runtime import kernels_available
 from kvstore.codecs import CODECS, TORCH_DTYPES
 from kvstore.config import ModelSpec
 

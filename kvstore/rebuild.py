@@ -13,8 +13,8 @@ from kvstore.index import PageIndex
 from kvstore.keys import page_key
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
-from tiers.base import PageRecord
-from tiers.disk_cost import disk_record_cost
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.disk_cost import disk_record_cost
 
 log = logging.getLogger("kvstore.store")
 

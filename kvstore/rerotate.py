@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu.rope import RopeScalingUnsupported, inv_freq, rope_rerotate, rope_rerotate_ref
+from kvstore.gpu.rope import RopeScalingUnsupported, inv_freq, rope_rerotate, rope_rerotate_ref
 from kvstore.config import ModelSpec
 from kvstore.errors import Unsupported
 

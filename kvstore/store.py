@@ -40,7 +40,7 @@ from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.tier_stack import TierStack
 from kvstore.validation import (check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
                                 check_start_pos, token_bytes)
-from tiers.base import PageRecord
+from kvstore.tiers.base import PageRecord
 
 log = logging.getLogger("kvstore.store")
 

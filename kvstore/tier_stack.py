@@ -28,10 +28,10 @@ from kvstore.copy import NUMPY_DTYPES
 from kvstore.index import Node, PageIndex
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
-from tiers.base import PageRecord, TierFull
-from tiers.cpu import CPUTier
-from tiers.disk_cost import disk_record_cost
-from tiers.redis_landing import Landing
+from kvstore.tiers.base import PageRecord, TierFull
+from kvstore.tiers.cpu import CPUTier
+from kvstore.tiers.disk_cost import disk_record_cost
+from kvstore.tiers.redis_landing import Landing
 
 log = logging.getLogger("kvstore.store")
 
@@ -53,7 +53,7 @@ class TierStack:
         self.codecs: dict[str, Codec] = {}
         capacities: list[tuple[str, int]] = []
         if config.gpu_bytes:
-            from tiers.gpu import GPUTier  # raises a clear error without a usable GPU
+            from kvstore.tiers.gpu import GPUTier  # raises a clear error without a usable GPU
 
             self.slot_tiers["gpu"] = GPUTier(config.gpu_bytes)
             self.codecs["gpu"] = get_codec("none")
@@ -63,7 +63,7 @@ class TierStack:
             self.codecs["cpu"] = get_codec(config.cpu_codec)
             capacities.append(("cpu", config.cpu_bytes))
         if config.disk_bytes:
-            from tiers.disk import DiskTier
+            from kvstore.tiers.disk import DiskTier
 
             self.record_tiers["disk"] = DiskTier(
                 os.path.join(config.data_dir, "pages"), config.disk_bytes,  # type: ignore[arg-type]
@@ -74,7 +74,7 @@ class TierStack:
             disk_capacity = self.record_tiers["disk"].capacity_bytes
             capacities.append(("disk", max(0, int(disk_capacity * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES)))
         if config.redis_url:
-            from tiers.redis import RedisTier
+            from kvstore.tiers.redis import RedisTier
 
             self.record_tiers["redis"] = RedisTier(config)
             self.codecs["redis"] = get_codec(config.disk_codec)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.host_memory import empty_host
-from tiers.slots import SlotBufferTier
+from kvstore.tiers.slots import SlotBufferTier
 
 SLOT_ALIGN_BYTES = 64  # cache-line aligned slots: copies in and out run at full speed
 

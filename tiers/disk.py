@@ -25,9 +25,9 @@ from typing import Iterator
 import lmdb
 import zstandard
 
-from tiers.base import PageRecord
-from tiers.disk_open import open_environment
-from tiers.disk_record import (CorruptRecord, decode_header, encode_header, header_to_record,
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.disk_open import open_environment
+from kvstore.tiers.disk_record import (CorruptRecord, decode_header, encode_header, header_to_record,
                                payload_checksum)
 
 log = logging.getLogger("kvstore.disk")

@@ -50,7 +50,7 @@ def check_in_child(path: str) -> str | None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        proc = subprocess.run([sys.executable, "-m", "tiers.disk_open", path], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "kvstore.tiers.disk_open", path], capture_output=True, text=True,
                               env=env, timeout=CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"integrity walk did not finish in {CHECK_TIMEOUT_S:.0f} s"

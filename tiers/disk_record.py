@@ -17,7 +17,7 @@ import zlib
 import msgpack
 import xxhash
 
-from tiers.base import PageRecord
+from kvstore.tiers.base import PageRecord
 
 FORMAT_VERSION = 2  # 2: payload checksum xxh3-64 (was crc32)
 _MAX_HEADER_BYTES = 1 << 24

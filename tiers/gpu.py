@@ -18,7 +18,7 @@ import torch
 
 from kvstore.codecs import Codec, as_kv
 from kvstore.config import ModelSpec
-from tiers.slots import SlotBufferTier
+from kvstore.tiers.slots import SlotBufferTier
 
 SLOT_ALIGN_BYTES = 256  # every slot starts 256-byte aligned: 16-byte vector loads in the kernels
 

@@ -35,13 +35,13 @@ import torch
 import zstandard
 
 from kvstore.config import StoreConfig
-from tiers.base import PageRecord
-from tiers.disk_record import CorruptRecord
-from tiers.redis_conn import FAULTS, LOG_EVERY_S, Breaker, is_cluster_url, make_client
-from tiers.redis_landing import Landing, receive_record
-from tiers.redis_reader import Receiver, pipelined_gets
-from tiers.redis_record import decode_value, decode_value_header, encode_value
-from tiers.redis_writer import DELETED, Op, WriteBehind
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.disk_record import CorruptRecord
+from kvstore.tiers.redis_conn import FAULTS, LOG_EVERY_S, Breaker, is_cluster_url, make_client
+from kvstore.tiers.redis_landing import Landing, receive_record
+from kvstore.tiers.redis_reader import Receiver, pipelined_gets
+from kvstore.tiers.redis_record import decode_value, decode_value_header, encode_value
+from kvstore.tiers.redis_writer import DELETED, Op, WriteBehind
 
 log = logging.getLogger("kvstore.redis")
 T = TypeVar("T")

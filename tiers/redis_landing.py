@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Callable
 
 import xxhash
 
-from tiers.base import PageRecord
-from tiers.disk_record import CorruptRecord, decode_header, header_to_record
-from tiers.redis_record import LENGTH_BYTES
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.disk_record import CorruptRecord, decode_header, header_to_record
+from kvstore.tiers.redis_record import LENGTH_BYTES
 
 if TYPE_CHECKING:  # the store's tier stack imports Landing without loading redis-py
     import torch
 
-    from tiers.redis_reader import ReplyReader
+    from kvstore.tiers.redis_reader import ReplyReader
 
 MAX_LANDING_HEADER_BYTES = 1 << 20  # a page's header is its token ids plus ~150 bytes
 

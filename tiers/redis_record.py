@@ -13,8 +13,8 @@ from typing import Any
 
 import zstandard
 
-from tiers.base import PageRecord
-from tiers.disk_record import CorruptRecord, decode_header, encode_header, header_to_record, payload_checksum
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.disk_record import CorruptRecord, decode_header, encode_header, header_to_record, payload_checksum
 
 LENGTH_BYTES = 4
 

@@ -18,8 +18,8 @@ import queue
 import threading
 from typing import Callable, Union
 
-from tiers.base import PageRecord
-from tiers.redis_conn import FAULTS, Breaker
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.redis_conn import FAULTS, Breaker
 
 log = logging.getLogger("kvstore.redis")
 

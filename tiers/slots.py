@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tiers.base import TierFull
+from kvstore.tiers.base import TierFull
 
 
 class SlotMap:

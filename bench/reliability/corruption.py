@@ -20,7 +20,7 @@ from pathlib import Path
 import lmdb
 import torch
 
-from api.metrics import Metrics
+from kvstore.api.metrics import Metrics
 from bench.reliability.pages import SPEC, expected_kv
 from kvstore import KVStore, StoreConfig
 

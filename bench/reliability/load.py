@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from api.client import KVStoreClient
+from kvstore.api.client import KVStoreClient
 from bench.reliability.pages import expected_kv
 from bench.reliability.sidecar import Sidecar
 from kvstore import ModelSpec

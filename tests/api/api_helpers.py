@@ -13,10 +13,10 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from api.app import create_app
-from api.config import ServerConfig
-from api.connection_limit import ConnectionLimitedSite
-from api.server import listen_socket
+from kvstore.api.app import create_app
+from kvstore.api.config import ServerConfig
+from kvstore.api.connection_limit import ConnectionLimitedSite
+from kvstore.api.server import listen_socket
 from kvstore import KVStore, ModelSpec
 
 MAX_BODY_BYTES = 1 << 20

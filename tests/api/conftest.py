@@ -8,8 +8,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from api_helpers import MAX_BODY_BYTES, LiveServer, call
 
-from api.app import create_app
-from api.config import ServerConfig
+from kvstore.api.app import create_app
+from kvstore.api.config import ServerConfig
 from kvstore import KVStore, ModelSpec, StoreConfig
 
 

@@ -9,9 +9,9 @@ import time
 import pytest
 from api_helpers import MAX_BODY_BYTES, LiveServer, random_kv
 
-from api.catch_up import CatchUp
-from api.client import KVStoreClient
-from api.config import ServerConfig
+from kvstore.api.catch_up import CatchUp
+from kvstore.api.client import KVStoreClient
+from kvstore.api.config import ServerConfig
 from kvstore import KVStore, ModelSpec
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from api_helpers import random_kv
 
-from api.client import KVStoreClient
-from api.config import ServerConfig
+from kvstore.api.client import KVStoreClient
+from kvstore.api.config import ServerConfig
 from kvstore.config import StoreConfig
-from api.server import GC_YOUNG_THRESHOLD, ServeError, _settle_collector, check_bind
+from kvstore.api.server import GC_YOUNG_THRESHOLD, ServeError, _settle_collector, check_bind
 from kvstore import ModelSpec
 from kvstore.cli import build_configs, build_parser, main
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from api_helpers import random_kv
 
-from api.client import AsyncKVStoreClient, KVStoreClient
+from kvstore.api.client import AsyncKVStoreClient, KVStoreClient
 from kvstore import ModelSpec
 from kvstore.backend import KVCacheBackend
 from kvstore.errors import BackendUnavailable, InvalidKV, InvalidStart, InvalidTokens, ModelConflict, ModelNotFound

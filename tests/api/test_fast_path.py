@@ -12,10 +12,10 @@ import pytest
 import torch
 from api_helpers import MAX_BODY_BYTES, LiveServer, kv_bin, random_kv, tokens_bin
 
-from api.client import KVStoreClient
-from api.config import ServerConfig
-from api.fast_path import FAST_PATH
-from api.http1 import Connection
+from kvstore.api.client import KVStoreClient
+from kvstore.api.config import ServerConfig
+from kvstore.api.fast_path import FAST_PATH
+from kvstore.api.http1 import Connection
 from kvstore import KVStore, ModelSpec, StoreConfig
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from api.http1 import Connection, ProtocolError
+from kvstore.api.http1 import Connection, ProtocolError
 
 
 def _serve_once(pieces: list[bytes]) -> tuple[str, int]:

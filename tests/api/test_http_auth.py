@@ -7,9 +7,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from api_helpers import MSGPACK, call, kv_bin, random_kv
 
-from api.app import create_app
-from api.auth import find_tenant, load_auth_file
-from api.config import ServerConfig
+from kvstore.api.app import create_app
+from kvstore.api.auth import find_tenant, load_auth_file
+from kvstore.api.config import ServerConfig
 from kvstore import ModelSpec
 
 TOKENS = {"secret-alice-0123456789": "alice", "secret-bob-0123456789": "bob"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from api_helpers import call, kv_bin, random_kv, tokens_bin
 
-from api.client import AsyncKVStoreClient, KVStoreClient
+from kvstore.api.client import AsyncKVStoreClient, KVStoreClient
 from kvstore import KVStore, ModelSpec
 from kvstore.errors import InvalidKV, InvalidStart, InvalidTokens, ModelNotFound, Unsupported
 from kvstore.results import BlendResult, StoreResult

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from api_helpers import call, kv_bin, random_kv
 
-from api.openapi import OPERATIONS, template_path
-from api.routes import ROUTES
+from kvstore.api.openapi import OPERATIONS, template_path
+from kvstore.api.routes import ROUTES
 from kvstore import ModelSpec
 
 

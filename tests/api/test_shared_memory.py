@@ -16,10 +16,10 @@ import pytest
 import torch
 from api_helpers import MAX_BODY_BYTES, LiveServer, call
 
-from api.client import KVStoreClient
-from api.client_arena import ALIGN_BYTES, ClientArena
-from api.config import ServerConfig
-from api.shared_memory import HEADER_BYTES, SECRET_BYTES
+from kvstore.api.client import KVStoreClient
+from kvstore.api.client_arena import ALIGN_BYTES, ClientArena
+from kvstore.api.config import ServerConfig
+from kvstore.api.shared_memory import HEADER_BYTES, SECRET_BYTES
 from kvstore import KVStore, ModelSpec, StoreConfig
 from kvstore.errors import InvalidRequest
 
@@ -177,7 +177,7 @@ async def test_regions_are_checked_and_bound_to_the_connection(http_model, store
 async def test_disabled_on_the_server_is_refused(store, spec: ModelSpec, memfd: int):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from api.app import create_app
+    from kvstore.api.app import create_app
 
     app = create_app(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, shared_memory=False))
     async with TestClient(TestServer(app)) as http:
@@ -284,7 +284,7 @@ def test_a_broken_exchange_never_reuses_its_region(live_server, spec: ModelSpec,
 
 
 def test_a_closed_connection_unmaps_its_arena(live_server, spec: ModelSpec):
-    from api.context import SHARED_MEMORY
+    from kvstore.api.context import SHARED_MEMORY
 
     arenas = live_server._runner.app[SHARED_MEMORY]
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode import BackendWarning, generate, tiny_model
-from decode.blend import ChunkReuse, blend_prefill
-from decode.cli import register
-from decode.recompute import recompute_sizes
-from decode.sidecar import InProcessSidecar
+from kvstore.decode import BackendWarning, generate, tiny_model
+from kvstore.decode.blend import ChunkReuse, blend_prefill
+from kvstore.decode.cli import register
+from kvstore.decode.recompute import recompute_sizes
+from kvstore.decode.sidecar import InProcessSidecar
 from kvstore import KVStore, StoreConfig
 
 ATOL = 1e-4  # float32
@@ -51,7 +51,7 @@ def test_ratio_one_is_a_full_prefill_on_miss_and_on_hit(model, store):
 
 
 def test_short_attention_segments_change_nothing(model, store, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr("decode.recompute.SEGMENT_TOKENS", 5)
+    monkeypatch.setattr("kvstore.decode.recompute.SEGMENT_TOKENS", 5)
     prefix, chunks, question = ids(60, 3), [ids(61, 23), ids(62, 14)], ids(63, 2)
     got = generate(model, question, 2, backend=store, prefix=prefix, chunks=chunks, blend_ratio=1.0, return_logits=True)
     assert (got.logits - full_logits(model, prefix, chunks, question, 2)).abs().max() <= ATOL
@@ -84,7 +84,7 @@ def test_a_stored_chunk_is_reused_at_another_position_after_another_prefix(model
 
 
 def test_through_the_sidecar_client(model):
-    from api.client import KVStoreClient
+    from kvstore.api.client import KVStoreClient
 
     prefix, chunks, question = ids(20, 6), [ids(21, 12), ids(22, 17)], ids(23, 3)
     want = full_logits(model, prefix, chunks, question)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from decode.cli import register
+from kvstore.decode.cli import register
 
 
 def run(argv: list[str]) -> int:
@@ -44,7 +44,7 @@ def test_generate_rejects_bad_tokens(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("api.client")
+    pytest.importorskip("kvstore.api.client")
     assert run(["demo", "--turns", "2", "--system-tokens", "64", "--turn-tokens", "8", "--max-new-tokens", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "reused 0;" in lines[1] and "reused 75;" in lines[2]  # 64 + 8 + 4 - 1
@@ -52,8 +52,8 @@ def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFi
 
 
 def test_generate_through_a_server_url(capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("api.client")
-    from decode.sidecar import InProcessSidecar
+    pytest.importorskip("kvstore.api.client")
+    from kvstore.decode.sidecar import InProcessSidecar
     from kvstore.config import StoreConfig
 
     argv = ["generate", "--prompt-tokens", ",".join(map(str, range(40))), "--max-new-tokens", "3"]

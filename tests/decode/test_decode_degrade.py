@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from decode import BackendWarning, LlamaModel, generate, tiny_model
+from kvstore.decode import BackendWarning, LlamaModel, generate, tiny_model
 from kvstore.errors import BackendUnavailable, ModelConflict
 from kvstore.config import StoreConfig
 from kvstore.results import FetchResult

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode import generate, load_checkpoint, tiny_model
-from decode.loader import arch_from_hf_config
+from kvstore.decode import generate, load_checkpoint, tiny_model
+from kvstore.decode.loader import arch_from_hf_config
 
 
 def test_sharded_checkpoint_loads_the_same_weights(checkpoints: dict[str, Path]) -> None:

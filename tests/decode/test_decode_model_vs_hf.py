@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode import generate, load_checkpoint
-from decode.attention import AttentionContext
+from kvstore.decode import generate, load_checkpoint
+from kvstore.decode.attention import AttentionContext
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4

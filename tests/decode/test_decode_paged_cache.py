@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.paged_cache import PagedKVCache
+from kvstore.decode.paged_cache import PagedKVCache
 from kvstore.config import ModelSpec
 
 SPEC = ModelSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
@@ -38,8 +38,8 @@ def test_reserve_beyond_capacity_fails_and_release_returns_pages() -> None:
 
 
 def test_attention_is_the_same_over_scattered_and_consecutive_pages() -> None:
-    from decode import tiny_model
-    from decode.attention import AttentionContext
+    from kvstore.decode import tiny_model
+    from kvstore.decode.attention import AttentionContext
 
     model = tiny_model(page_size=4)
     ids = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(0))  # (T,)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode import GenerateResult, LlamaModel, generate, tiny_model
+from kvstore.decode import GenerateResult, LlamaModel, generate, tiny_model
 from kvstore.config import StoreConfig
 from kvstore.store import KVStore
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode import SamplingParams, generate, tiny_model
-from decode.sampling import Sampler
+from kvstore.decode import SamplingParams, generate, tiny_model
+from kvstore.decode.sampling import Sampler
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:

@@ -11,9 +11,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from decode import LlamaModel, generate, tiny_model
+from kvstore.decode import LlamaModel, generate, tiny_model
 
-client_module = pytest.importorskip("api.client")
+client_module = pytest.importorskip("kvstore.api.client")
 
 STEPS = 12
 
@@ -80,7 +80,7 @@ def test_reuse_through_sidecar_and_after_its_restart(model: LlamaModel, data_dir
 
 
 def test_unreachable_sidecar_is_a_full_prefill_with_a_warning(model: LlamaModel) -> None:
-    from decode import BackendWarning
+    from kvstore.decode import BackendWarning
 
     prompt = list(range(30))
     with client_module.KVStoreClient("http://127.0.0.1:9", timeout_s=1.0) as client:  # discard port: refused

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.runtime import kernels_unavailable_reason
+from kvstore.gpu.runtime import kernels_unavailable_reason
 
 
 @pytest.fixture(autouse=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.paged import gather_pages, gather_pages_ref, scatter_pages, scatter_pages_ref
-from gpu.quant import dequantize, dequantize_ref, quantize, quantize_ref
-from gpu.rope import apply_rope_ref, rope_rerotate, rope_rerotate_ref
+from kvstore.gpu.paged import gather_pages, gather_pages_ref, scatter_pages, scatter_pages_ref
+from kvstore.gpu.quant import dequantize, dequantize_ref, quantize, quantize_ref
+from kvstore.gpu.rope import apply_rope_ref, rope_rerotate, rope_rerotate_ref
 from kvstore.codecs import get_codec
 from kvstore.config import ModelSpec
 
@@ -120,8 +120,8 @@ def test_codec_on_cuda_equals_codec_on_cpu(codec_name: str) -> None:
 
 
 def test_gpu_tier_slots_and_pcie_copies() -> None:
-    from tiers.base import TierFull
-    from tiers.gpu import GPUTier
+    from kvstore.tiers.base import TierFull
+    from kvstore.tiers.gpu import GPUTier
 
     spec = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
     tier = GPUTier(3 * GPUTier.slot_bytes(spec.page_bytes))

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from gpu.runtime import NVRTC_OPTIONS, SOURCE_PATH
+from kvstore.gpu.runtime import NVRTC_OPTIONS, SOURCE_PATH
 
 
 def _find_nvrtc() -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.paged import gather_pages, gather_pages_ref, scatter_pages_ref
+from kvstore.gpu.paged import gather_pages, gather_pages_ref, scatter_pages_ref
 
 L, P, H, D, NB = 3, 4, 2, 8, 9
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.quant import bf16_round_up, dequantize_ref, quantize_ref
+from kvstore.gpu.quant import bf16_round_up, dequantize_ref, quantize_ref
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # Half an ulp of the output dtype, relative: dequantize rounds x' = q * scale into it.

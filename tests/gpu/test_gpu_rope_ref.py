@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.rope import RopeScalingUnsupported, apply_rope_ref, inv_freq, rope_rerotate, rope_rerotate_ref
+from kvstore.gpu.rope import RopeScalingUnsupported, apply_rope_ref, inv_freq, rope_rerotate, rope_rerotate_ref
 
 THETA = 500000.0
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tiers.gpu as gpu_tier
+import kvstore.tiers.gpu as gpu_tier
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

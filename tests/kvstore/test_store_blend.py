@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.rope import apply_rope_ref
+from kvstore.gpu.rope import apply_rope_ref
 from kvstore import KVStore, ModelSpec, StoreConfig
 from kvstore.errors import InvalidStart, InvalidTokens, PayloadTooLarge, Unsupported
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lmdb
 
 from bench.reliability.corruption import run_flips, run_payloads
-from tiers.disk import DiskTier
+from kvstore.tiers.disk import DiskTier
 
 
 def test_flipped_bytes_of_data_mdb_never_serve_wrong_kv(tmp_path):

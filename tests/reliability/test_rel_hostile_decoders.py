@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.framing import unpack_map
-from api.wire import decode_msgpack, fetch_request, lookup_request, store_request
+from kvstore.api.framing import unpack_map
+from kvstore.api.wire import decode_msgpack, fetch_request, lookup_request, store_request
 from kvstore.errors import InvalidRequest
-from tiers.disk_record import CorruptRecord, decode_header
+from kvstore.tiers.disk_record import CorruptRecord, decode_header
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 msgpack_values = st.recursive(
@@ -93,7 +93,7 @@ def test_unpack_map_views_bins_without_copying():
 
 
 def _decoded(body: bytes, small_limit: int):
-    import api.framing as framing
+    import kvstore.api.framing as framing
 
     saved, framing.SMALL_BODY_BYTES = framing.SMALL_BODY_BYTES, small_limit
     try:

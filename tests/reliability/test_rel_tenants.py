@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from api.client import KVStoreClient
+from kvstore.api.client import KVStoreClient
 from bench.reliability.pages import SPEC, expected_kv
 from bench.reliability.sidecar import Sidecar
 from kvstore.errors import ModelNotFound, Unauthorized

@@ -20,10 +20,10 @@ from test_redis_tier import make_tier, payload_of, record
 import kvstore.tier_stack
 from kvstore import KVStore, ModelSpec, StoreConfig
 from kvstore.keys import namespace_key, prefix_keys, tokens_bytes
-from tiers.base import PageRecord
-from tiers.redis_landing import Landing, receive_record
-from tiers.redis_reader import ReplyReader
-from tiers.redis_record import encode_value
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.redis_landing import Landing, receive_record
+from kvstore.tiers.redis_reader import ReplyReader
+from kvstore.tiers.redis_record import encode_value
 
 PREFIX = "land:"
 BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}  # same-width ints

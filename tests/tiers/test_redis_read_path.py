@@ -13,9 +13,9 @@ from test_redis_tier import record
 
 from kvstore import KVStore, ModelSpec, StoreConfig
 from kvstore.copy import copy_into
-from tiers.disk_record import CorruptRecord
-from tiers.redis_reader import pack_gets
-from tiers.redis_record import decode_value, encode_value
+from kvstore.tiers.disk_record import CorruptRecord
+from kvstore.tiers.redis_reader import pack_gets
+from kvstore.tiers.redis_record import decode_value, encode_value
 
 
 @pytest.mark.parametrize("ttl_s", [None, 7, 86400])

@@ -14,9 +14,9 @@ import torch
 from redis_helpers import RedisServer
 from test_redis_tier import PREFIX, make_tier, payload_of, record
 
-from tiers.redis import RedisTier
-from tiers.redis_conn import make_client
-from tiers.redis_reader import LINE_BUFFER_BYTES, pipelined_gets
+from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.redis_conn import make_client
+from kvstore.tiers.redis_reader import LINE_BUFFER_BYTES, pipelined_gets
 
 SIZES = [0, 1, 5, 2, LINE_BUFFER_BYTES - 7, LINE_BUFFER_BYTES + 3, 3 << 20, 17, 1 << 16]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from redis_helpers import RedisServer, free_port
 
-from api.client import KVStoreClient
+from kvstore.api.client import KVStoreClient
 from kvstore import ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]

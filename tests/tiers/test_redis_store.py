@@ -12,8 +12,8 @@ from redis_helpers import RedisServer
 import kvstore.tier_stack
 from kvstore import KVStore, ModelSpec
 from kvstore.keys import namespace_key, prefix_keys
-from tiers.base import PageRecord
-from tiers.redis_record import encode_value
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.redis_record import encode_value
 
 PREFIX = b"kvstore:"
 

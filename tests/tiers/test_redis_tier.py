@@ -12,9 +12,9 @@ from redis_helpers import RedisServer
 
 from kvstore import StoreConfig
 from kvstore.keys import page_key, tokens_bytes
-from tiers.base import PageRecord
-from tiers.redis import RedisTier
-from tiers.redis_record import decode_value, encode_value
+from kvstore.tiers.base import PageRecord
+from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.redis_record import decode_value, encode_value
 
 PREFIX = "t:"
 
@@ -49,7 +49,7 @@ def test_value_format_roundtrips_and_rejects_garbage():
     value = encode_value(rec, None)
     back = decode_value(value, rec.key)
     assert (back.tokens, back.shape, back.parent, payload_of(back)) == (rec.tokens, rec.shape, rec.parent, payload_of(rec))
-    from tiers.disk_record import CorruptRecord
+    from kvstore.tiers.disk_record import CorruptRecord
 
     for bad in (b"", b"\1\0", value[:-1], value[:-1] + bytes([value[-1] ^ 1]), b"\xff\xff\xff\x7f" + value[4:]):
         with pytest.raises(CorruptRecord):

@@ -1,0 +1,1 @@
+"""Adapters that let inference engines use kvstore through their own extension points."""
