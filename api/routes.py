@@ -1,4 +1,4 @@
-"""The route table: every endpoint of the sidecar, in one list (DESIGN §7.2).
+"""The route table: every endpoint of the sidecar, in one list (docs/design.md §7.2).
 
 Adding an endpoint is one line here, one handler, and its entry in openapi.py (a test fails
 until the OpenAPI document describes every route listed here).

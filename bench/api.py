@@ -1,5 +1,5 @@
 """Sidecar store/fetch throughput and latency on loopback, beside redis-py SET/GET of the same
-bytes against a local redis-server, in one run (DESIGN §8).
+bytes against a local redis-server, in one run (docs/design.md §8).
 
     python bench/api.py [--seconds 3] [--rounds 3] [--json out.json]
 

@@ -6,7 +6,7 @@ tier, prefill tokens saved, and replay speed in block operations per second (one
 of one request looked up and touched or inserted, with the evictions it causes). `belady` is the
 offline optimum (bench/belady.py), the line the policies are measured against.
 
-    python bench/eviction.py ../shared/traces/mooncake_synthetic.jsonl \
+    python bench/eviction.py bench/data/mooncake_synthetic.jsonl \
         --capacities 0.01,0.02,0.05,0.1,0.2 --policies lru,lru-prefix,belady \
         --json bench/out/eviction.json --plot bench/out/eviction.png
 

@@ -28,10 +28,10 @@ trains on (Jain & Lin, ISCA 2016): would MIN at the tier's size, over the stream
 the tier sees, keep the page from this store to its next use (`bench.belady.OptGen`; a reuse
 more than 8 turnovers later counts as not kept); the replay itself is `lru-tail`'s.
 
-    python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --capacities 0.02,0.05
+    python bench/reuse_features.py bench/data/mooncake_synthetic.jsonl --capacities 0.02,0.05
     python bench/reuse_features.py --preset chat --seed 0
-    python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --belady
-    python bench/reuse_features.py ../shared/traces/mooncake_synthetic.jsonl --optgen
+    python bench/reuse_features.py bench/data/mooncake_synthetic.jsonl --belady
+    python bench/reuse_features.py bench/data/mooncake_synthetic.jsonl --optgen
 
 It prints, per feature and bucket, the share of inserted pages, the reuse rate under LRU and
 the ever-reused rate, and the weighted entropy drop each feature gives on the `reused` label.

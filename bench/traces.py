@@ -5,7 +5,7 @@ A trace is JSONL, one request a line: `timestamp` (ms), `input_length` and `outp
 share block i's id only if they share every block up to and including i (Mooncake's format).
 
 The generator exists so that eviction policies are judged on more than the one sample trace
-(DESIGN §8): its knobs set how much of the traffic is shared prefixes (system prompts, tool and
+(docs/design.md §8): its knobs set how much of the traffic is shared prefixes (system prompts, tool and
 document templates, by Zipf popularity) and how much is multi-turn sessions whose next turn
 extends the last one. It does not model token contents, only block identity.
 

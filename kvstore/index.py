@@ -1,6 +1,6 @@
 """The page tree: which pages exist, how they chain, and token-granular prefix matching.
 
-Pages are stored at page granularity but matched at token granularity (DESIGN §3): full pages
+Pages are stored at page granularity but matched at token granularity (docs/design.md §3): full pages
 are found by their chained key, one dict lookup each (vLLM's block hash), and at the first page
 that does not match, the children of the last matched node are compared token by token, so the
 longest shared run is reused even when it ends inside a page (SGLang's radix precision).

@@ -1,6 +1,6 @@
 """Placement: which tier holds which page, byte accounting, eviction and demotion.
 
-This is the one place where pages move between tiers (DESIGN §4, style rule 4). It decides;
+This is the one place where pages move between tiers (docs/design.md §4, style rule 4). It decides;
 the store's `TierMover` does the byte copies. It is payload-free, so the eviction benchmark
 replays real traces through exactly this code with a mover that copies nothing.
 

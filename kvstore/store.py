@@ -50,7 +50,7 @@ MIN_BLEND_LIMIT_BYTES = 1 << 30  # a blend answer may hold this much KV, or the 
 
 
 class KVStore:
-    """The store API of DESIGN §7.1. Thread-safe; use as a context manager or call `close()`."""
+    """The store API of docs/design.md §7.1. Thread-safe; use as a context manager or call `close()`."""
 
     def __init__(self, config: StoreConfig | None = None):
         self.config = config = config or StoreConfig()

@@ -1,5 +1,5 @@
 """Redis tier: page records in a Redis / Redis Cluster / Valkey deployment that many sidecars
-share (DESIGN §5). It is the bottom tier; the store decides what goes here and when.
+share (docs/design.md §5). It is the bottom tier; the store decides what goes here and when.
 
 - Key: `redis_key_prefix` + the 16-byte page key (namespace-scoped by construction: chained
   blake2b from the namespace). Value: one record, tiers/redis_record.py (the disk format: header

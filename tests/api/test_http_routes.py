@@ -1,4 +1,4 @@
-"""The routes of DESIGN §7.2 through the aiohttp test client, on the real store."""
+"""The routes of docs/design.md §7.2 through the aiohttp test client, on the real store."""
 from __future__ import annotations
 
 import base64
