@@ -28,9 +28,9 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `kvstore` imp
 from tqdm import tqdm
 
 from kvstore.config import StoreConfig
-from kvstore.policies import POLICIES
 
 from bench.belady import BeladyPolicy
+from bench.policies_research import BENCH_POLICIES
 from bench.replay import CompiledTrace, NextUse, ReplayResult, compile_trace, replay
 from bench.traces import load_trace
 
@@ -112,15 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="Mooncake-format JSONL traces")
     parser.add_argument("--capacities", default="0.01,0.02,0.05,0.1,0.2")
-    parser.add_argument("--policies", default=",".join([*POLICIES, BELADY]))
+    parser.add_argument("--policies", default=",".join([*BENCH_POLICIES, BELADY]),
+                        help="store policies, research ones (bench/policies_research.py) and belady")
     parser.add_argument("--tiers", action="append", default=[], help="name=capacity,... (top first); repeatable")
     parser.add_argument("--json", dest="json_path", help="write results here")
     parser.add_argument("--plot", dest="plot_path", help="write hit ratio vs capacity here (PNG)")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        if p not in POLICIES and p != BELADY:
-            parser.error(f"--policies: unknown {p!r}; choose from {', '.join([*POLICIES, BELADY])}")
+        if p not in BENCH_POLICIES and p != BELADY:
+            parser.error(f"--policies: unknown {p!r}; choose from {', '.join([*BENCH_POLICIES, BELADY])}")
     reports = []
     for path in args.traces:
         trace = compile_trace(Path(path).name, load_trace(path))

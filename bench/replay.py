@@ -20,6 +20,7 @@ from kvstore.index import Node, PageIndex
 from kvstore.keys import page_key, tokens_bytes
 from kvstore.placement import Placement, PolicyFactory
 
+from bench.policies_research import policy_factory
 from bench.traces import BLOCK_TOKENS, Request
 
 NAMESPACE = b"\x00" * 16  # the one namespace of a replay
@@ -101,8 +102,10 @@ class Replayer:
 
     def __init__(self, tiers: list[tuple[str, int]], policy: str | PolicyFactory,
                  oracle: NextUse | None = None, promote_on_hit: bool = True):
+        """`policy`: a store policy's name, a research policy's (bench/policies_research.py), or
+        a factory of one policy per tier."""
         self.index = PageIndex()
-        self.placement = Placement(self.index, tiers, policy)
+        self.placement = Placement(self.index, tiers, policy_factory(policy))
         self.root = self.index.root(NAMESPACE)
         self.top = self.placement.order[0]
         self.oracle = oracle or NextUse()

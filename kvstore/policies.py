@@ -119,15 +119,6 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
 
 
-class LRUPrefixPolicy(EvictionPolicy):
-    """Leaf-first LRU: only pages with no descendant cached in this tier are candidates,
-    least recently used first (LMCache issue #1116: no orphaned suffixes)."""
-
-    name = "lru-prefix"
-    leaf_first = True
-    touch_in_place = True
-
-
 class LRUTailPolicy(EvictionPolicy):
     """Leaf-first LRU that evicts tail pages first: the partial last pages of stored sequences.
 
@@ -139,7 +130,7 @@ class LRUTailPolicy(EvictionPolicy):
 
     Only real tails (fewer tokens than a full page, `Node.tail`) rank first: a full last page is
     what the next turn hangs its child under, and a sequence stored a moment ago is served whole.
-    No constant; without tail pages this is exactly `lru-prefix`.
+    No constant; without tail pages this is plain leaf-first LRU (`lru-prefix` in bench/).
     """
 
     name = "lru-tail"
@@ -201,78 +192,6 @@ class TwoSegmentPolicy(EvictionPolicy):
         return segment
 
 
-class ARCPrefixPolicy(TwoSegmentPolicy):
-    """Leaf-first ARC (Megiddo & Modha, FAST '03): admission of one-time pages without a knob.
-
-    Most blocks in real traces are used once (a new conversation's own turn, a one-off
-    document), and each would push out a page that is reused. ARC keeps two leaf-first LRU
-    segments: `probation` (ARC's recent list: pages stored but never served by a fetch) and
-    `protected` (its frequent list: pages served at least once), plus ghost lists of the keys
-    each recently evicted. Victims come from `probation` while it is over its target size `p`,
-    else from `protected`. A page stored again soon after it left probation (its key is in the
-    recent ghosts) says probation was too short: `p` grows; one whose key is in the frequent ghosts says the opposite: `p` shrinks. So the
-    share of the tier given to unproven pages is learnt from the traffic, not set by a constant;
-    with p = 0 new pages are evicted first (they are admitted only to be dropped: the store must
-    hold a page while it is being written, so admission is by probation, not refusal).
-
-    A page whose key is in a ghost list comes back straight into `protected` (it was reused).
-    Frequency is "served by a fetch" (`Node.hits`, counted once per request by the store), not
-    "touched", because the store touches a hit page twice per request (fetch and store).
-
-    Invariants: every page of the tier is in exactly one segment (`_segment`); ghosts hold keys of
-    pages not in the tier, each list at most as many as the tier holds pages; 0 <= p <= pages.
-    Leaf-first holds across segments (see `TwoSegmentPolicy`).
-    """
-
-    name = "arc-prefix"
-    segment_policy: type[EvictionPolicy] = LRUPrefixPolicy  # the order within each segment
-
-    def __init__(self, tier: str):
-        super().__init__(tier)  # probation: ARC's `recent` (T1); protected: `frequent` (T2)
-        self._recent_ghosts: OrderedDict[bytes, None] = OrderedDict()
-        self._frequent_ghosts: OrderedDict[bytes, None] = OrderedDict()
-        self.p = 0.0  # target number of pages on probation
-
-    def insert(self, node: Node) -> None:
-        pages = max(1, len(self._segment))
-        rg, fg = self._recent_ghosts, self._frequent_ghosts
-        if node.key in rg:
-            self.p = min(float(pages), self.p + max(len(fg) / len(rg), 1.0))
-            del rg[node.key]
-            segment = self.protected
-        elif node.key in fg:
-            self.p = max(0.0, self.p - max(len(rg) / len(fg), 1.0))
-            del fg[node.key]
-            segment = self.protected
-        else:
-            segment = self.protected if node.hits else self.probation
-        self._admit(node, segment)
-
-    def remove(self, node: Node) -> None:
-        segment = self._leave(node)
-        if segment is None:
-            return
-        (self._recent_ghosts if segment is self.probation else self._frequent_ghosts)[node.key] = None
-        limit = len(self._segment)
-        for ghosts in (self._recent_ghosts, self._frequent_ghosts):
-            while len(ghosts) > limit:
-                ghosts.popitem(last=False)  # forget the oldest
-        self.p = min(self.p, float(limit))
-
-    def victim(self) -> Node | None:
-        first, second = ((self.probation, self.protected) if len(self.probation) > self.p
-                         else (self.protected, self.probation))
-        node = first.victim()
-        return node if node is not None else second.victim()
-
-
-class ARCTailPolicy(ARCPrefixPolicy):
-    """`arc-prefix` whose two segments evict tail pages first, as `lru-tail` does."""
-
-    name = "arc-tail"
-    segment_policy = LRUTailPolicy
-
-
 class SeenBeforePolicy(TwoSegmentPolicy):
     """Leaf-first probation: pages whose key is new to the tier are evicted before the rest.
 
@@ -327,7 +246,7 @@ class DuelPolicy(EvictionPolicy):
     Scores decay by 1/(HORIZON_TURNOVERS x pages) per reference, so they compare the last
     ~16 turnovers of the tier: a switch takes about one turnover to change what the tier holds,
     so the comparison must span many of them or the tier follows neither candidate (measured
-    with `arc-tail` as the second candidate: with 4 the tier lost to both on the `docs` preset
+    with `arc-tail`, bench/policy_arc.py, as the second candidate: with 4 the tier lost to both on the `docs` preset
     at 5%). The shadows' size is the most pages the tier has held (its capacity in pages once it
     has filled); a page stored and used in one request is one reference (`tick` counts the pages
     stored into the tier, and none is stored between a request's fetch and its store).
@@ -443,18 +362,12 @@ class DuelPolicy(EvictionPolicy):
         return self.leader.victim()
 
 
-# The frequency-aware candidates build on the classes above (kvstore/policy_frequency.py).
-from kvstore.policy_frequency import FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy  # noqa: E402
-
+# What `StoreConfig(policy=...)` offers: the default `duel`, the two rules it chooses between, and
+# `lru` as the baseline. The research policies (leaf-first LRU, ARC, frequency-aware probation)
+# live in bench/ and run through the eviction benchmark's replay (bench/policies_research.py).
 POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
-    LRUPrefixPolicy.name: LRUPrefixPolicy,
     LRUTailPolicy.name: LRUTailPolicy,
-    ARCPrefixPolicy.name: ARCPrefixPolicy,
-    ARCTailPolicy.name: ARCTailPolicy,
     SeenBeforePolicy.name: SeenBeforePolicy,
     DuelPolicy.name: DuelPolicy,
-    SeenOftenPolicy.name: SeenOftenPolicy,
-    SeenLearnedPolicy.name: SeenLearnedPolicy,
-    FrequencyDuelPolicy.name: FrequencyDuelPolicy,
 }

@@ -47,6 +47,17 @@ def test_bad_store_config_names_field(field, value):
         StoreConfig(**{field: value})
 
 
+def test_policies_are_duel_its_two_rules_and_lru_and_the_research_ones_are_refused():
+    for name in ("lru", "lru-tail", "seen-before", "duel"):
+        assert StoreConfig(policy=name).policy == name
+    assert StoreConfig().policy == "duel"
+    # Studied on the way to duel, they live in bench/ (bench/policies_research.py).
+    for name in ("lru-prefix", "arc-prefix", "arc-tail", "seen-often", "seen-learned", "duel-freq"):
+        refused = f"^policy: must be one of lru, lru-tail, seen-before, duel; got '{name}'$"
+        with pytest.raises(ValueError, match=refused):
+            StoreConfig(policy=name)
+
+
 def test_config_needs_a_tier_and_disk_for_write_through():
     with pytest.raises(ValueError, match="at least one tier"):
         StoreConfig(cpu_bytes=0, disk_bytes=0)

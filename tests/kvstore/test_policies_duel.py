@@ -1,69 +1,24 @@
 """`duel`: the default policy follows whichever of `lru-tail` and `seen-before` its shadow caches
 say hits more on the tier's own traffic; what a user sees is LRU-like hits where fresh pages are
 reused once, protection of what comes back where a prompt recurs, leaf-first eviction and pins
-respected. Also `seen-before`'s and `arc-tail`'s memory of evicted keys."""
+respected. Also `seen-before`'s memory of evicted keys and the shadows' key samples."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
 
+from eviction_scenarios import OneTier, block_trace, hits_on_a_prompt_recurring_between_one_off_prompts, \
+    keeps_a_key_stored_again_soon_after_eviction
+
+from bench.policy_arc import LRUPrefixPolicy
 from bench.replay import Replayer, compile_trace, replay
-from bench.traces import PRESETS, Request, generate
+from bench.traces import PRESETS, generate
 from kvstore.config import StoreConfig
-from kvstore.index import Node, PageIndex
+from kvstore.index import Node
 from kvstore.keys import page_key, tokens_bytes
-from kvstore.placement import Placement
-from kvstore.policies import POLICIES, DuelPolicy, LRUPrefixPolicy
-from kvstore.shadow import ShadowCache
-
-NS = b"\x01" * 16
-
-
-def _trace(*prompts: list[int]):
-    # Whole 512-token blocks: no tail pages, so only recency and reuse decide.
-    return compile_trace("t", [Request(i, 512 * len(ids), 1, tuple(ids)) for i, ids in enumerate(prompts)])
-
-
-class _Tier:
-    """A one-tier placement driven page by page, as the store drives it."""
-
-    def __init__(self, policy: str, capacity_pages: int):
-        self.index = PageIndex()
-        self.placement = Placement(self.index, [("cpu", capacity_pages)], policy)
-        self.root = self.index.root(NS)
-        self.clock = 0
-
-    def store(self, *ids: int) -> list[Node]:
-        """Store a chain of pages (touch those held, add the rest), pinned while it is stored."""
-        self.clock += 1
-        parent, held = self.root, []
-        for i in ids:
-            token = tokens_bytes([i])
-            node = self.index.get(page_key(parent.key, token))
-            if node is None:
-                if not self.placement.make_room("cpu", 1):
-                    break
-                node = self.index.insert(parent, page_key(parent.key, token), token)
-                node.ready = True
-                self.placement.pin(node)
-                self.placement.touch(node, self.clock)
-                self.placement.add(node, "cpu", 1)
-            else:
-                self.placement.pin(node)
-                self.placement.touch(node, self.clock)
-            held.append(node)
-            parent = node
-        for node in held:
-            self.placement.unpin(node)
-        return held
-
-    def holds(self, *ids: int) -> bool:
-        key = NS
-        for i in ids:
-            key = page_key(key, tokens_bytes([i]))
-        node = self.index.get(key)
-        return node is not None and "cpu" in node.tiers
+from kvstore.policies import POLICIES, DuelPolicy
+from kvstore.shadow import MIN_SAMPLED_PAGES, ShadowCache, in_sample, sample_rate
 
 
 def test_registered_and_the_default() -> None:
@@ -72,7 +27,7 @@ def test_registered_and_the_default() -> None:
 
 
 def test_evicts_the_least_recent_leaf_never_a_page_with_a_descendant() -> None:
-    tier = _Tier("duel", 3)
+    tier = OneTier("duel", 3)
     tier.store(1, 2)  # 1 -> 2: page 1 has a descendant in the tier
     tier.store(7)
     tier.store(8)  # full: the oldest leaf goes (2), not its parent 1, though 1 is as old
@@ -82,7 +37,7 @@ def test_evicts_the_least_recent_leaf_never_a_page_with_a_descendant() -> None:
 
 
 def test_pinned_pages_are_never_evicted() -> None:
-    tier = _Tier("duel", 2)
+    tier = OneTier("duel", 2)
     (old,) = tier.store(1)
     tier.store(2)
     tier.placement.pin(old)  # a fetch is streaming it
@@ -94,36 +49,17 @@ def test_pinned_pages_are_never_evicted() -> None:
     assert tier.holds(1) and tier.holds(3)
 
 
-@pytest.mark.parametrize("policy", ["seen-before", "arc-tail", "lru-tail"])
+@pytest.mark.parametrize("policy", ["seen-before", "lru-tail"])
 def test_a_key_stored_again_soon_after_eviction_is_protected(policy: str) -> None:
-    # seen-before's history (arc-tail's ghost): page 1 leaves, comes back while its key is
-    # remembered, and is then kept over pages that were never seen before (5 and 6 go first
-    # though 1 is older); LRU drops it.
-    tier = _Tier(policy, 3)
-    for i in (1, 2, 3, 4):
-        tier.store(i)
-    assert not tier.holds(1)
-    tier.store(1)  # seen before: into the protected segment
-    for i in (5, 6, 7):
-        tier.store(i)
-    assert tier.holds(7)
-    assert tier.holds(1) == (policy != "lru-tail")
+    # seen-before's history: page 1 leaves, comes back while its key is remembered, and is then
+    # kept over pages that were never seen before (5 and 6 go first though 1 is older); LRU drops it.
+    assert keeps_a_key_stored_again_soon_after_eviction(policy) == (policy != "lru-tail")
 
 
-@pytest.mark.parametrize("rule, duel", [("seen-before", "duel"), ("seen-often", "duel-freq")])
-def test_follows_the_rule_that_keeps_a_prompt_recurring_between_one_off_prompts(rule: str, duel: str) -> None:
-    # Prompt [1, 2] recurs after every 3 one-off single-block prompts; 4 pages of room. lru-tail
-    # drops block 2 each time (its oldest leaf); seen-before (and seen-often, by frequency) keep the
-    # recurring prompt, and the duel, whose shadows see that (all keys: the tier is far too small
-    # to sample), ends up with nearly their hits.
-    prompts: list[list[int]] = [[1, 2], [1, 2]]
-    fresh = 100
-    for _ in range(60):
-        prompts += [[fresh], [fresh + 1], [fresh + 2], [1, 2]]
-        fresh += 3
-    trace = _trace(*prompts)
-    tiers = [("cpu", 4)]
-    lru, kept, dueled = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", rule, duel))
+def test_follows_the_rule_that_keeps_a_prompt_recurring_between_one_off_prompts() -> None:
+    # lru-tail drops block 2 each time (its oldest leaf); seen-before keeps the recurring prompt,
+    # and the duel, whose shadows see that, ends up with nearly its hits.
+    lru, kept, dueled = hits_on_a_prompt_recurring_between_one_off_prompts("lru-tail", "seen-before", "duel")
     assert kept > lru
     assert dueled > lru + (kept - lru) // 2
 
@@ -135,7 +71,7 @@ def test_follows_lru_where_fresh_pages_are_reused_once() -> None:
     prompts: list[list[int]] = [[1], [1]]
     for c in range(100, 400, 10):
         prompts += [[c, c + 1], [c + 5], [c, c + 1, c + 2]]
-    trace = _trace(*prompts)
+    trace = block_trace(*prompts)
     tiers = [("cpu", 4)]
     lru, seen, duel = (replay(trace, tiers, p).hit_blocks for p in ("lru-tail", "seen-before", "duel"))
     assert seen < lru <= duel
@@ -143,8 +79,8 @@ def test_follows_lru_where_fresh_pages_are_reused_once() -> None:
 
 @pytest.mark.parametrize("preset", ["chat", "high"])
 def test_a_shadow_cache_hits_what_the_tier_hits(preset: str) -> None:
-    # The shadow of a leaf-first LRU, fed the tier's references, counts exactly the hits the
-    # real tier (index, placement, pins) serves: the duel compares like with like.
+    # The shadow of a leaf-first LRU (bench's lru-prefix), fed the tier's references, counts
+    # exactly the hits the real tier (index, placement, pins) serves: the duel compares like with like.
     trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=400, seed=3)))
     capacity = max(round(0.05 * trace.unique_blocks), 200)
     shadow_hits = []
@@ -201,7 +137,7 @@ def test_learning_after_each_request_serves_what_learning_inline_does(preset: st
 
 def test_held_learning_is_replayed_inline_past_its_bound() -> None:
     # An in-process caller that sets learn_later and never catches up holds at most MAX_PENDING.
-    tier = _Tier("duel", 8)
+    tier = OneTier("duel", 8)
     policy = tier.placement.policies["cpu"]
     tier.placement.learn_later(True)
     for i in range(3 * DuelPolicy.MAX_PENDING // 2):
@@ -210,3 +146,13 @@ def test_held_learning_is_replayed_inline_past_its_bound() -> None:
     assert sum(len(shadow) for shadow in policy.shadows) > 0  # the first MAX_PENDING were replayed
     tier.placement.learn_later(False)  # turning it off catches up
     assert policy.pending is None
+
+
+def test_shadow_samples_are_uniform_nested_and_never_small() -> None:
+    keys = [page_key(b"\x02" * 16, tokens_bytes([i])) for i in range(8192)]
+    quarter = {k for k in keys if in_sample(k, 4)}
+    eighth = {k for k in keys if in_sample(k, 8)}
+    assert eighth <= quarter and abs(len(eighth) / len(keys) - 1 / 8) < 0.02
+    assert sample_rate(MIN_SAMPLED_PAGES * 2 - 1, 8) == 1  # a smaller shadow would not be trusted
+    assert sample_rate(MIN_SAMPLED_PAGES * 2, 8) == 2
+    assert sample_rate(MIN_SAMPLED_PAGES * 100, 8) == 8

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from bench.policies_research import BENCH_POLICIES
 from kvstore.index import PageIndex
 from kvstore.keys import page_key, tokens_bytes
-from kvstore.policies import POLICIES
 
 NS = b"\x02" * 16
 
@@ -17,7 +17,7 @@ NS = b"\x02" * 16
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_victims_match_a_brute_force_ranking_under_random_touches_and_pins(name: str, seed: int) -> None:
     rng = random.Random(seed)
-    policy = POLICIES[name]("cpu")
+    policy = BENCH_POLICIES[name]("cpu")  # lru-prefix: the research baseline (bench/)
     assert policy.touch_in_place
     index = PageIndex()
     root = index.root(NS)

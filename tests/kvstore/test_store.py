@@ -332,7 +332,7 @@ def test_eight_threads_store_and_fetch_overlapping_prefixes(make_store, spec):
     assert store.lookup("m", base).matched_tokens == 12
 
 
-@pytest.mark.parametrize("policy", ["lru", "lru-prefix", "lru-tail", "arc-prefix"])
+@pytest.mark.parametrize("policy", ["lru", "lru-tail", "seen-before", "duel"])  # research ones: tests/bench
 def test_a_sequence_just_stored_is_served_whole_under_pressure(make_store, spec, policy):
     # Every policy: a full prompt stored a moment ago (its last page is full) is fetched whole,
     # even when the tier is full of older sequences.

@@ -1,13 +1,16 @@
 """Frequency-aware probation policies: how long to keep a page grows with how often its key is stored.
 
+Research policies, not part of the store (`StoreConfig` offers `lru`, `lru-tail`, `seen-before`
+and `duel`): bench/policies_research.py registers them with the eviction benchmark's replay, and
+docs/eviction.md has what they measured.
+
 `seen-before` (kvstore/policies.py) splits pages into new keys (probation, evicted first) and
-keys stored before (protected, LRU). Measured on the Mooncake sample with `lru-tail` at 2%/5%
-of its blocks (bench/reuse_features.py), the number of times a key was stored before predicts
-reuse twice as well as "seen or not" (0.036/0.045 bits against 0.017/0.028): a page whose key
-was stored once before is served before LRU evicts it 3%/9% of the time, 2-3 times 6%/16%,
-4-7 times 13%/23%, 8 or more 27%/55% (new keys: 1%/3%). So these policies keep seen-before's
-probation and rank the protected pages by last use *plus a shift* that grows with the key's
-store count, in units of the tier's size in pages (one turnover = that many page stores):
+keys stored before (protected, LRU). On the Mooncake sample (bench/reuse_features.py) the number
+of times a key was stored before predicts reuse better than "seen or not", and a page is the
+likelier to be served before LRU evicts it the more often its key was stored. So these policies
+keep seen-before's probation and rank the protected pages by last use *plus a shift* that grows
+with the key's store count, in units of the tier's size in pages (one turnover = that many page
+stores):
 
 - `seen-often`: one turnover per doubling of the count (a page stored 4 times stays two turnovers
   longer than one stored once; each request a held page serves counts as a store). Strong: best
@@ -23,8 +26,8 @@ store count, in units of the tier's size in pages (one turnover = that many page
 
 Neither is safe alone (frequency keeps stale pages where one fresh reuse is what counts), so
 `duel-freq` plays them against `lru-tail` by set dueling. It is not the default: on the Mooncake
-sample it beats `duel` at 5% of the blocks (1.118x lru against 1.062x) but not at 1%, 2% or 20%
-(README, eviction section); what a three-way duel gains in choice it loses in switching.
+sample it beats `duel` at one capacity but not at the others (docs/eviction.md); what a three-way
+duel gains in choice it loses in switching.
 
 Invariants (beyond `TwoSegmentPolicy`'s): `history` holds at most HISTORY_TURNOVERS x pages keys
 with their store counts, oldest stored first out; `stamp`/`shift`/`stores` hold exactly the
@@ -37,7 +40,6 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from kvstore.index import Node
-# policies.py imports this module at its end, once these are defined.
 from kvstore.policies import DuelPolicy, LRUTailPolicy, TwoSegmentPolicy
 from kvstore.shadow import in_sample, sample_rate
 

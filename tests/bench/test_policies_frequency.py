@@ -7,32 +7,27 @@ from dataclasses import replace
 
 import pytest
 
+from eviction_scenarios import assert_leaf_first_and_no_worse_than_lru, block_trace, \
+    hits_on_a_prompt_recurring_between_one_off_prompts, leaf_first_checked, two_tier_replay_checked_leaf_first
+
+from bench.policies_research import RESEARCH_POLICIES
+from bench.policy_frequency import SAMPLE, FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy
 from bench.replay import compile_trace, replay
-from bench.traces import PRESETS, Request, generate
-from kvstore.config import StoreConfig
+from bench.traces import PRESETS, generate
 from kvstore.index import Node
-from kvstore.keys import page_key, tokens_bytes
-from kvstore.policies import POLICIES, FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy
-from kvstore.policy_frequency import SAMPLE
-from kvstore.shadow import MIN_SAMPLED_PAGES, in_sample, sample_rate
+from kvstore.shadow import MIN_SAMPLED_PAGES
 
 
-def _trace(*prompts: list[int]):
-    # Whole 512-token blocks: no tail pages, so only recency and frequency decide.
-    return compile_trace("t", [Request(i, 512 * len(ids), 1, tuple(ids)) for i, ids in enumerate(prompts)])
-
-
-def test_registered() -> None:
-    assert POLICIES["duel-freq"] is FrequencyDuelPolicy
-    assert POLICIES["seen-often"] is SeenOftenPolicy and POLICIES["seen-learned"] is SeenLearnedPolicy
-    assert StoreConfig(policy="duel-freq").policy == "duel-freq"
+def test_registered_with_the_replay() -> None:
+    assert RESEARCH_POLICIES["duel-freq"] is FrequencyDuelPolicy
+    assert RESEARCH_POLICIES["seen-often"] is SeenOftenPolicy and RESEARCH_POLICIES["seen-learned"] is SeenLearnedPolicy
 
 
 def test_a_page_served_often_outlives_a_newer_page_served_once() -> None:
     # 4 pages. [1] is served 4 times, [2] once, later; then a 3-page prompt needs room while its
     # own pages are pinned, so a protected page must go: seen-before takes the least recent ([1]),
     # seen-often the one needed less often ([2]), and the next request for [1] hits.
-    trace = _trace([1], [1], [1], [1], [1], [2], [2], [9], [10, 11, 12], [1])
+    trace = block_trace([1], [1], [1], [1], [1], [2], [2], [9], [10, 11, 12], [1])
     tiers = [("cpu", 4)]
     often, before = (replay(trace, tiers, p).hit_blocks for p in ("seen-often", "seen-before"))
     assert often == before + 1
@@ -42,7 +37,7 @@ def _checked(name: str) -> type:
     """Policy `name`, asserting its structure's invariants every 61st call and at every eviction
     that the victim is an unpinned leaf of the tier."""
 
-    class Checked(POLICIES[name]):  # type: ignore[misc, valid-type]
+    class Checked(leaf_first_checked(name)):  # type: ignore[misc, valid-type]
         calls = 0
 
         def _check(self) -> None:
@@ -70,11 +65,6 @@ def _checked(name: str) -> type:
             super().remove(node)
             self._check()
 
-        def victim(self) -> Node | None:
-            node = super().victim()
-            assert node is None or (not node.tier_kids.get(self.tier, 0) and not node.pins), node
-            return node
-
     return Checked
 
 
@@ -87,16 +77,6 @@ def test_invariants_hold_through_a_replay(preset: str, policy: str) -> None:
     assert checked.hit_ratio == replay(trace, tiers, policy).hit_ratio > 0
 
 
-def test_shadow_samples_are_uniform_nested_and_never_small() -> None:
-    keys = [page_key(b"\x02" * 16, tokens_bytes([i])) for i in range(8192)]
-    quarter = {k for k in keys if in_sample(k, 4)}
-    eighth = {k for k in keys if in_sample(k, 8)}
-    assert eighth <= quarter and abs(len(eighth) / len(keys) - 1 / 8) < 0.02
-    assert sample_rate(MIN_SAMPLED_PAGES * 2 - 1, 8) == 1  # a smaller shadow would not be trusted
-    assert sample_rate(MIN_SAMPLED_PAGES * 2, 8) == 2
-    assert sample_rate(MIN_SAMPLED_PAGES * 100, 8) == 8
-
-
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_duel_freq_at_least_lru_on_generated_traces_with_sampled_shadows(preset: str) -> None:
     # Tiers of 4096+ pages: the shadows see 1/4 to 1/8 of the keys, enough for the duel to follow
@@ -106,3 +86,21 @@ def test_duel_freq_at_least_lru_on_generated_traces_with_sampled_shadows(preset:
         tiers = [("cpu", max(round(fraction * trace.unique_blocks), 4 * MIN_SAMPLED_PAGES))]
         ours, lru = (replay(trace, tiers, p).hit_ratio for p in ("duel-freq", "lru"))
         assert ours >= lru - 0.002, (preset, fraction, ours, lru)
+
+
+def test_follows_the_rule_that_keeps_a_prompt_recurring_between_one_off_prompts() -> None:
+    # As `duel` follows seen-before there (tests/kvstore/test_policies_duel.py), `duel-freq`
+    # follows seen-often, which keeps the recurring prompt by frequency.
+    lru, kept, dueled = hits_on_a_prompt_recurring_between_one_off_prompts("lru-tail", "seen-often", "duel-freq")
+    assert kept > lru
+    assert dueled > lru + (kept - lru) // 2
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_duel_freq_is_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str) -> None:
+    assert_leaf_first_and_no_worse_than_lru("duel-freq", preset)
+
+
+def test_duel_freq_multi_tier_replay_keeps_every_tier_leaf_first() -> None:
+    result = two_tier_replay_checked_leaf_first("duel-freq")
+    assert result.tier_hits["gpu"] > 0 and result.tier_hits["cpu"] > 0
