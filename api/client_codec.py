@@ -110,7 +110,7 @@ def decode(status: int, content_type: str, body: bytearray | bytes | memoryview)
     """The response's object; raises the matching KVStoreError for a 4xx/5xx."""
     try:
         obj: Any = json.loads(bytes(body)) if content_type.startswith(JSON) else unpack_map(body) if len(body) else {}
-    except (ValueError, FramingError):
+    except (ValueError, FramingError, RecursionError):  # RecursionError: JSON nested past the interpreter's limit
         obj = None
     if status >= 400:
         error = obj.get("error") if isinstance(obj, dict) else None

@@ -10,10 +10,13 @@ This module knows msgpack only: it does not know which fields a route expects (s
 """
 from __future__ import annotations
 
+import reprlib
 import struct
 from typing import Any, Mapping
 
 import msgpack
+
+from kvstore.api.nesting import value_too_deep
 
 _BIN = {0xC4: (1, ">B"), 0xC5: (2, ">H"), 0xC6: (4, ">I")}
 _STR = {0xD9: (1, ">B"), 0xDA: (2, ">H"), 0xDB: (4, ">I")}
@@ -62,63 +65,85 @@ def _count(n: int, limit: int, kind: str) -> int:
     return n
 
 
-def _skip(buf: memoryview, pos: int) -> int:
-    """Offset just past the msgpack object at `pos` (nested objects included)."""
-    remaining = 1
+def _skip(buf: memoryview, pos: int, max_depth: int | None = None, level: int = 1) -> int:
+    """Offset just past the msgpack object at `pos` (nested objects included). `level`: how many
+    containers the object sits at (counting itself, were it one); FramingError if that goes past
+    `max_depth` (None: no limit but the body's length)."""
+    # open[i]: objects still to read in the i-th open container (open[0] is the object itself).
     # Every object consumes at least one byte, so this loop is bounded by the body length even
     # when a header claims billions of elements.
-    while remaining:
+    open_ = [1]
+    while open_:
+        if not open_[-1]:
+            open_.pop()
+            continue
         if pos >= len(buf):
             raise FramingError("truncated msgpack data")
-        remaining -= 1
-        t = buf[pos]
+        open_[-1] -= 1
+        t, at = buf[pos], pos
+        items = 0
         if t <= 0x7F or t >= 0xE0:
             pos += 1
-        elif t <= 0x8F:
-            remaining += 2 * (t & 0x0F)
+            continue
+        if t <= 0x8F:
+            items = 2 * (t & 0x0F)
             pos += 1
         elif t <= 0x9F:
-            remaining += t & 0x0F
+            items = t & 0x0F
             pos += 1
         elif t <= 0xBF:
             pos += 1 + (t & 0x1F)
+            continue
         elif t in _FIXED:
             pos += _FIXED[t]
+            continue
         elif t in _SIZED:
             width, extra = _SIZED[t]
             pos += 1 + width + extra + _uint(buf, pos + 1, width)
+            continue
         elif t in (0xDC, 0xDD):
             width = 2 if t == 0xDC else 4
-            remaining += _count(_uint(buf, pos + 1, width), MAX_ARRAY_LEN, "array")
+            items = _count(_uint(buf, pos + 1, width), MAX_ARRAY_LEN, "array")
             pos += 1 + width
         elif t in (0xDE, 0xDF):
             width = 2 if t == 0xDE else 4
-            remaining += 2 * _count(_uint(buf, pos + 1, width), MAX_MAP_LEN, "map")
+            items = 2 * _count(_uint(buf, pos + 1, width), MAX_MAP_LEN, "map")
             pos += 1 + width
         else:  # 0xC1 is the one byte msgpack never uses
             raise FramingError(f"invalid msgpack type byte 0x{t:02x}")
+        # A container (empty ones too) opens a level.
+        if max_depth is not None and level + len(open_) - 1 > max_depth:
+            raise _too_deep(at, max_depth)
+        open_.append(items)
     if pos > len(buf):
         raise FramingError("truncated msgpack data")
     return pos
 
 
+def _too_deep(pos: int, max_depth: int) -> FramingError:
+    return FramingError(f"nested deeper than {max_depth} levels (at byte {pos}); no request field nests that deep")
+
+
 SMALL_BODY_BYTES = 64 << 10  # below this, copying bins costs less than walking the map in Python
 
 
-def unpack_map(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+def unpack_map(body: bytes | bytearray | memoryview, max_depth: int | None = None) -> dict[str, Any]:
     """Decode a top-level msgpack map; `bin` values are memoryviews (slices of `body` when it is
-    large; of writable copies when it is small)."""
+    large; of writable copies when it is small). `max_depth`: the most containers the body may
+    nest, its own map included (a request's schema bounds it; None for answers)."""
     buf = memoryview(body).cast("B")
     if len(buf) <= SMALL_BODY_BYTES:
-        return _unpack_small(buf)
+        return _unpack_small(buf, max_depth)
     count, pos = _map_header(buf)
+    if max_depth is not None and max_depth < 1:
+        raise _too_deep(0, max_depth)
     out: dict[str, Any] = {}
     for _ in range(count):
-        end = _skip(buf, pos)
+        end = _skip(buf, pos, max_depth, level=2)  # keys and values sit inside the body's map
         key = _unpack(buf[pos:end])
         if not isinstance(key, str):
-            raise FramingError(f"map keys must be strings, got {key!r:.40}")
-        pos, end = end, _skip(buf, end)
+            raise FramingError(f"map keys must be strings, got {reprlib.repr(key)}")
+        pos, end = end, _skip(buf, end, max_depth, level=2)
         t = buf[pos]
         if t in _BIN:
             width, _ = _BIN[t]
@@ -131,14 +156,24 @@ def unpack_map(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return out
 
 
-def _unpack_small(buf: memoryview) -> dict[str, Any]:
+def _unpack_small(buf: memoryview, max_depth: int | None) -> dict[str, Any]:
     """msgpack's C unpacker (~0.5 us for a lookup's body, against ~7 us for the walk above), with
     the same checks and messages; top-level bins become writable memoryviews."""
     if not len(buf):
         raise FramingError("empty body, expected a msgpack map")
+    containers = [0]
+
+    def counted(container: Any) -> Any:  # called once per array and map, the body's own included
+        containers[0] += 1
+        return container
+
+    hooks = {} if max_depth is None else {"list_hook": counted, "object_hook": counted}
     try:
         obj = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
-                              max_map_len=MAX_MAP_LEN)
+                              max_map_len=MAX_MAP_LEN, **hooks)
+    except msgpack.StackError:  # its own bound on nesting (1,024 levels), raised with no message
+        raise FramingError(f"nested deeper than {max_depth or 'msgpack allows'} levels (past msgpack's own limit of 1024); "
+                           "no request field nests that deep") from None
     except msgpack.ExtraData as exc:
         if not isinstance(exc.unpacked, dict):
             raise FramingError("expected a msgpack map at the top level") from None
@@ -147,10 +182,13 @@ def _unpack_small(buf: memoryview) -> dict[str, Any]:
         raise FramingError(f"malformed msgpack: {exc}") from None
     if not isinstance(obj, dict):
         raise FramingError("expected a msgpack map at the top level")
+    # No more containers than levels (a lookup's map and its token array): nothing to measure.
+    if max_depth is not None and containers[0] > max_depth and value_too_deep(obj, max_depth):
+        raise FramingError(f"nested deeper than {max_depth} levels; no request field nests that deep")
     out: dict[str, Any] = {}
     for key, value in obj.items():
         if not isinstance(key, str):
-            raise FramingError(f"map keys must be strings, got {key!r:.40}")
+            raise FramingError(f"map keys must be strings, got {reprlib.repr(key)}")
         out[key] = memoryview(bytearray(value)) if isinstance(value, bytes) else value
     return out
 

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import binascii
 import json
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -26,18 +27,23 @@ from aiohttp import web
 
 from kvstore.api.body import read_exact, read_limited
 from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
+from kvstore.api.nesting import json_too_deep
 from kvstore.api.shared_memory import Registration
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import (InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens,
                             PayloadTooLarge, UnsupportedMediaType)
+from kvstore.keys import MAX_TOKEN_ID
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 MSGPACK_TYPES = frozenset({MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
 # A body without a Content-Type (or a generic one) is taken as msgpack: that is the contract.
 DEFAULT_TYPES = frozenset({"", "application/octet-stream"})
-MAX_TOKEN_ID = (1 << 31) - 1  # tokens travel as int32
+# The deepest any request nests, its own map counted: blend's chunks ([[token, ...], ...]) and a
+# model spec's rope_scaling ({"long_factor": [...]}) reach 3. Deeper bodies are refused before
+# they are decoded (api/nesting.py): decoders recurse once per level.
+MAX_BODY_DEPTH = 3
 
 
 @dataclass(frozen=True)
@@ -79,15 +85,22 @@ async def read_request(request: web.Request, max_body_bytes: int, body_timeout_s
 
 def decode_msgpack(body: bytearray | memoryview) -> dict[str, Any]:
     try:
-        return unpack_map(body)
+        return unpack_map(body, MAX_BODY_DEPTH)
     except FramingError as exc:
         raise InvalidRequest(f"body: {exc}", field="body") from None
 
 
 def decode_json(body: bytearray | memoryview) -> dict[str, Any]:
+    try:  # JSON between systems is UTF-8 (RFC 8259); a leading BOM is tolerated, as json.loads does
+        text = str(body, "utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"body: JSON must be UTF-8: {exc}", field="body") from None
+    if json_too_deep(body, text, MAX_BODY_DEPTH):
+        raise InvalidRequest(f"body: nested deeper than {MAX_BODY_DEPTH} levels; no request field nests that deep",
+                             field="body")
     try:
-        obj = json.loads(bytes(body))
-    except (ValueError, UnicodeDecodeError) as exc:
+        obj = json.loads(text)
+    except ValueError as exc:
         raise InvalidRequest(f"body: malformed JSON: {exc}", field="body") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("body: expected a JSON object", field="body")
@@ -241,10 +254,14 @@ def _error_for(name: str) -> type[InvalidRequest]:
     return {"tokens": InvalidTokens, "kv": InvalidKV, "start": InvalidStart, "model": InvalidModelName}.get(name, InvalidRequest)
 
 
+_SHOWN = reprlib.Repr()  # bounded in depth and length: a value in an error message never recurses far
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 40, 40, 6, 4
+
+
 def _show(value: Any) -> str:
     if isinstance(value, memoryview):
         return f"a bin of {value.nbytes} bytes"
-    text = repr(value)
+    text = _SHOWN.repr(value)
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 

@@ -33,7 +33,11 @@ def test_random_bytes_into_the_request_decoder(body):
 @FAST
 @given(st.dictionaries(st.sampled_from(["model", "tokens", "kv", "start", "dtype", "x"]), msgpack_values, max_size=6))
 def test_random_maps_into_the_request_parsers(fields):
-    body = decode_msgpack(bytearray(msgpack.packb(fields, use_bin_type=True)))
+    try:  # maps nested deeper than any request are refused by the decoder already
+        body = decode_msgpack(bytearray(msgpack.packb(fields, use_bin_type=True)))
+    except InvalidRequest as exc:
+        assert "nested deeper" in exc.message
+        return
     for parse in (lookup_request, fetch_request, store_request):
         try:
             parse(body)
