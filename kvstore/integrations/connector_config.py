@@ -1,0 +1,112 @@
+"""The connector's settings: `kv_connector_extra_config`, read into one frozen, validated dataclass.
+
+    {"url": "http://127.0.0.1:8100", "token": "...", "tokens": {"<cache_salt>": "<token>"}}   a sidecar
+    {"data_dir": "./kvstore-data", "cpu_bytes": "8GiB", "disk_bytes": "64GiB", ...}            in-process
+
+plus, in both, `model` (the store's model name), `timeout_s` and `page_size`. The in-process
+keys are `StoreConfig`'s fields, with the names and units of `kvstore serve` (sizes like "1GiB").
+An unknown key, or a sidecar key mixed with store keys, is an error that names it.
+
+Tenancy: a request's `cache_salt` is its kvstore tenant. In-process, the salt is passed as the
+tenant. A sidecar takes the tenant from the bearer token instead (api/auth.py), so a client
+cannot pick one per call: `tokens` maps each salt to a token that the sidecar's auth file maps
+to that salt's tenant, and a salted request whose salt has no token does not use the store.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvstore import StoreConfig
+from kvstore.sizes import parse_bytes
+
+SIDECAR_KEYS = ("url", "token", "tokens")
+COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s")
+STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreConfig))
+DEFAULT_PAGE_SIZE = 16  # the decode loop's (decode/loader.py): the same pages serve both
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """`url` set: talk to that sidecar; else `store` configures an in-process `KVStore`."""
+
+    url: str | None = None
+    token: str | None = None  # bearer token of requests without a cache_salt
+    tokens: tuple[tuple[str, str], ...] = ()  # (cache_salt, bearer token) pairs, sorted
+    store: StoreConfig | None = None
+    model: str | None = None  # None: vLLM's served model name (a directory's own name for a path)
+    timeout_s: float = 5.0  # longest a step waits on the store; past it the tokens are recomputed
+    page_size: int = DEFAULT_PAGE_SIZE  # tokens per store page; must divide vLLM's block_size
+    retry_after_s: float = 10.0  # after a failure, the store is left alone this long
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (self.store is None):
+            raise ValueError("url: give either url (a sidecar) or store settings (in-process), not both")
+        if self.url is not None and (not isinstance(self.url, str) or not self.url.startswith("http://")):
+            raise ValueError(f"url: expected http://host:port, got {self.url!r}")
+        for name in ("timeout_s", "retry_after_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not 0 < value <= 3600:
+                raise ValueError(f"{name}: must be a number of seconds in (0, 3600], got {value!r}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or not 1 <= self.page_size <= 4096:
+            raise ValueError(f"page_size: must be an integer in [1, 4096], got {self.page_size!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model: expected a non-empty string, got {self.model!r}")
+        if self.token is not None and (not isinstance(self.token, str) or not self.token):
+            raise ValueError("token: expected a non-empty string")
+
+    def token_for(self, salt: str | None) -> str | None:
+        return self.token if salt is None else dict(self.tokens).get(salt)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
+        """Read `kv_connector_extra_config`. ValueError names the key at fault."""
+        extra = dict(extra or {})
+        known = set(SIDECAR_KEYS) | set(COMMON_KEYS) | set(STORE_KEYS)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        store_keys = sorted(set(extra) & set(STORE_KEYS))
+        if "url" in extra and store_keys:
+            raise ValueError(f"kv_connector_extra_config.{store_keys[0]}: a store setting, but url names a sidecar; "
+                             f"configure that sidecar instead (kvstore serve)")
+        if "url" not in extra and set(extra) & {"token", "tokens"}:
+            raise ValueError("kv_connector_extra_config.token: tokens are for a sidecar; set url too")
+        kwargs: dict[str, Any] = {}
+        try:
+            for name in COMMON_KEYS:
+                if name in extra:
+                    kwargs[name] = extra[name]
+            if "url" in extra:
+                kwargs["url"], kwargs["token"] = extra["url"], extra.get("token")
+                kwargs["tokens"] = _salt_tokens(extra.get("tokens", {}))
+            else:
+                kwargs["store"] = StoreConfig(**{k: _store_value(k, extra[k]) for k in store_keys})
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"kv_connector_extra_config.{exc}") from None
+
+
+def _salt_tokens(tokens: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(tokens, Mapping) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                  for k, v in tokens.items()):
+        raise ValueError('tokens: expected {"<cache_salt>": "<bearer token>", ...}')
+    return tuple(sorted(tokens.items()))
+
+
+_STORE_HINTS = typing.get_type_hints(StoreConfig)
+
+
+def _store_value(name: str, value: Any) -> Any:
+    """A StoreConfig field from JSON: sizes take units, as `kvstore serve`'s flags do."""
+    if name.endswith("_bytes"):
+        return parse_bytes(value, field=name)
+    hint = _STORE_HINTS[name]
+    if hint is float or (typing.get_origin(hint) is typing.Union and float in typing.get_args(hint)):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+    return value

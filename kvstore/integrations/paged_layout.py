@@ -1,0 +1,160 @@
+"""Moving KV between one layer of an engine's paged cache and kvstore's canonical layout.
+
+kvstore holds a request's KV as `(L, 2, T, H, D)` (docs/design.md): per layer, K then V, token
+major. An engine's paged cache holds one layer as a pool of blocks of `B` tokens, and each
+attention backend arranges a block its own way. A `PagedLayout` knows one arrangement and moves
+whole blocks:
+
+    gather(layer, block_ids)      -> (2, len(block_ids) * B, H, D), the blocks' tokens in order
+    scatter(layer, block_ids, kv)    the inverse: writes those blocks and nothing else
+
+Two arrangements cover vLLM's backends:
+
+- `ContentSplitLayout` (FlashAttention, FlashInfer): each layer is a logical
+  `(num_blocks, H, B, 2 * D)` view whose last dim is K's D values then V's. NHD and HND are the
+  same logical view with different strides, so one indexing serves both: torch's strided views
+  do the layout, not this code.
+- `BlockPermutationLayout` (vLLM's CPU backend): each block is `H * 2 * B * D` contiguous values
+  whose order inside the block depends on the kernel's ISA (the K half is stored transposed,
+  or packed for AMX). The order is not written down anywhere we could check, so it is measured:
+  `probe_block_order` runs the backend's own cache-write op on one scratch block of coded
+  values and reads back where each (K or V, token, head, dim) landed. The result is a
+  permutation of the block's elements; gather and scatter are then one index op each.
+
+No vLLM import here: the conversion is plain torch, so it is unit-tested on CPU tensors of every
+shape, and the CPU backend's writer is passed in.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+# The canonical order of one block's elements: (K or V, token in block, head, dim).
+CANONICAL_BLOCK_DIMS = "(2, B, H, D)"
+
+
+class UnsupportedLayout(ValueError):
+    """The engine's paged KV layout is not one this module knows how to read; named in the message."""
+
+
+class PagedLayout:
+    """One layer's block arrangement. Subclasses implement `gather` and `scatter`."""
+
+    name: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _check_kv(self, kv: torch.Tensor, num_blocks: int) -> None:
+        expected = (2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"kv: expected {expected} for {num_blocks} blocks, got {tuple(kv.shape)}")
+
+
+class ContentSplitLayout(PagedLayout):
+    """Logical `(num_blocks, H, B, 2 * D)` per layer, K in `[..., :D]` and V in `[..., D:]`,
+    whatever the strides (NHD stores it as (num_blocks, B, H, 2D), HND as (num_blocks, H, B, 2D))."""
+
+    def __init__(self, name: str, block_size: int, num_kv_heads: int, head_dim: int):
+        self.name, self.block_size, self.num_kv_heads, self.head_dim = name, block_size, num_kv_heads, head_dim
+
+    def check(self, layer: torch.Tensor) -> None:
+        expected = (self.block_size, 2 * self.head_dim)
+        if layer.dim() != 4 or layer.shape[1] != self.num_kv_heads or tuple(layer.shape[2:]) != expected:
+            raise UnsupportedLayout(f"{self.name}: expected a (num_blocks, {self.num_kv_heads}, {self.block_size}, "
+                                    f"{2 * self.head_dim}) layer, got {tuple(layer.shape)}")
+
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        n, D = block_ids.numel(), self.head_dim
+        blocks = layer[block_ids]  # (n, H, B, 2D), a copy in the physical order's strides
+        kv = blocks.view(n, self.num_kv_heads, self.block_size, 2, D) if blocks.is_contiguous() else \
+            blocks.reshape(n, self.num_kv_heads, self.block_size, 2, D)
+        # (n, H, B, 2, D) -> (2, n, B, H, D) -> (2, n * B, H, D)
+        return kv.permute(3, 0, 2, 1, 4).reshape(2, n * self.block_size, self.num_kv_heads, D)
+
+    def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        n = block_ids.numel()
+        self._check_kv(kv, n)
+        blocks = kv.view(2, n, self.block_size, self.num_kv_heads, self.head_dim).permute(1, 3, 2, 0, 4)  # (n, H, B, 2, D)
+        layer[block_ids] = blocks.reshape(n, self.num_kv_heads, self.block_size, 2 * self.head_dim).to(layer.dtype)
+
+
+class BlockPermutationLayout(PagedLayout):
+    """Each block is `block_elements` contiguous values; `order[c]` is where the value with
+    canonical index `c` (in `(2, B, H, D)` order) sits inside the block."""
+
+    def __init__(self, name: str, block_size: int, num_kv_heads: int, head_dim: int, order: torch.Tensor):
+        self.name, self.block_size, self.num_kv_heads, self.head_dim = name, block_size, num_kv_heads, head_dim
+        expected = 2 * block_size * num_kv_heads * head_dim
+        if order.shape != (expected,):
+            raise ValueError(f"order: expected {expected} positions, got {tuple(order.shape)}")
+        self.order = order.to(torch.long)
+
+    def _blocks(self, layer: torch.Tensor) -> torch.Tensor:
+        if not layer.is_contiguous():
+            raise UnsupportedLayout(f"{self.name}: expected a contiguous paged cache, got strides {layer.stride()}")
+        return layer.view(layer.shape[0], -1)  # (num_blocks, block_elements)
+
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        n = block_ids.numel()
+        blocks = self._blocks(layer)
+        picked = blocks[block_ids[:, None], self.order[None, :].to(blocks.device)]  # (n, 2 * B * H * D), canonical order
+        kv = picked.view(n, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return kv.transpose(0, 1).reshape(2, n * self.block_size, self.num_kv_heads, self.head_dim)
+
+    def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        n = block_ids.numel()
+        self._check_kv(kv, n)
+        blocks = self._blocks(layer)
+        canonical = kv.view(2, n, self.block_size, self.num_kv_heads, self.head_dim).transpose(0, 1).reshape(n, -1)
+        blocks[block_ids[:, None], self.order[None, :].to(blocks.device)] = canonical.to(blocks.dtype)
+
+
+# A cache writer as vLLM's CPU backend has one: (key (T, H, D), value (T, H, D), slot_mapping (T,))
+# writes those tokens into `block` (1, H, B, 2D) at those slots, in the backend's own arrangement.
+BlockWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def probe_block_order(write: BlockWriter, *, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, name: str) -> torch.Tensor:
+    """Where each canonical `(2, B, H, D)` element of a block lands when `write` stores it.
+
+    Every canonical index c is written as base-`radix` digits, one pass per digit, each digit
+    stored as digit + 1 (small integers are exact in bf16, fp16 and fp32; 0 marks a value the
+    writer did not touch). Refuses, naming `name`, a writer that drops, duplicates or invents
+    values: then the arrangement is not a permutation and no index can undo it."""
+    B, H, D = block_size, num_kv_heads, head_dim
+    total = 2 * B * H * D
+    radix = 128
+    passes = max(1, math.ceil(math.log(total, radix)))
+    canonical = torch.arange(total, dtype=torch.long).view(2, B, H, D)  # (2, B, H, D)
+    slots = torch.arange(B, dtype=torch.long)
+    position_code = None  # per block element: the canonical index it holds
+    for p in range(passes):
+        digits = (canonical // radix ** p) % radix + 1  # (2, B, H, D) in [1, radix]
+        block = torch.zeros((1, H, B, 2 * D), dtype=dtype)
+        write(block, digits[0].to(dtype), digits[1].to(dtype), slots)
+        got = block.reshape(-1).to(torch.float64).round().to(torch.long)  # (H * B * 2D,)
+        if bool(((got < 0) | (got > radix)).any()):
+            raise UnsupportedLayout(f"{name}: the cache writer changed the values it stored; cannot map its layout")
+        part = (got - 1) * radix ** p
+        position_code = part if position_code is None else position_code + part
+        if p == 0:
+            untouched = got == 0
+    assert position_code is not None
+    if bool(untouched.any()) or position_code.numel() != total:
+        raise UnsupportedLayout(f"{name}: the cache writer left {int(untouched.sum())} values of a block unwritten; "
+                                f"its layout is not a permutation of (2, B, H, D)")
+    order = torch.full((total,), -1, dtype=torch.long)
+    order[position_code] = torch.arange(total, dtype=torch.long)
+    if bool((order < 0).any()) or not torch.equal(torch.sort(position_code).values, torch.arange(total)):
+        raise UnsupportedLayout(f"{name}: the cache writer put two values in one place; cannot map its layout")
+    return order

@@ -1,0 +1,184 @@
+"""The connector's one way to the store: lookup, fetch and store for a request's salt, never raising.
+
+An engine must produce the same tokens whether or not the store answers, so every failure here
+(the sidecar down or slow, a spec conflict, an evicted or corrupt page) becomes a miss: lookup
+answers 0, fetch answers fewer tokens, store answers None. After a failure the store is left
+alone for `retry_after_s` (each later call would otherwise pay the same timeout), and the
+warning is logged at most once every `WARN_EVERY_S`.
+
+In-process, one `KVStore` per `StoreConfig` is shared by every connector of this process (vLLM
+makes a scheduler-side and a worker-side connector, in one process with one worker): one LMDB
+environment cannot be opened twice by one process, and both sides must see the same pages.
+It is closed (memory pages written to disk) when its last user closes, or at exit.
+
+A sidecar takes the tenant from the bearer token, so there is one `KVStoreClient` per token.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+from kvstore import KVStore, KVStoreClient, KVStoreError, ModelSpec, StoreConfig
+from kvstore.integrations.connector_config import ConnectorConfig
+
+log = logging.getLogger("kvstore.vllm")
+WARN_EVERY_S = 10.0
+
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[StoreConfig, list[Any]] = {}  # config -> [KVStore, users]
+
+
+def shared_store(config: StoreConfig) -> KVStore:
+    """This process's `KVStore` for `config`, opened on first use; pair with `release_store`."""
+    with _SHARED_LOCK:
+        entry = _SHARED.get(config)
+        if entry is None:
+            entry = _SHARED[config] = [KVStore(config), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release_store(config: StoreConfig) -> None:
+    with _SHARED_LOCK:
+        entry = _SHARED.get(config)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _SHARED[config]
+    entry[0].close()
+
+
+@atexit.register
+def _close_shared_stores() -> None:
+    # An engine that exits without shutting down still leaves its memory pages on disk.
+    with _SHARED_LOCK:
+        entries = list(_SHARED.values())
+        _SHARED.clear()
+    for store, _ in entries:
+        store.close()
+
+
+class RateLimitedWarning:
+    """`warn(msg)` logs at most once every `every_s`; the ones in between are counted."""
+
+    def __init__(self, every_s: float = WARN_EVERY_S):
+        self.every_s = every_s
+        self._last = -float("inf")
+        self.suppressed = 0
+
+    def warn(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self.suppressed += 1
+            return
+        self._last = now
+        if self.suppressed:
+            message += " (%d similar warnings in the last %.0f s)"
+            args = (*args, self.suppressed, self.every_s)
+            self.suppressed = 0
+        log.warning(message, *args)
+
+
+class StoreLink:
+    """lookup / fetch / store of one model's pages on behalf of requests with a given salt."""
+
+    def __init__(self, config: ConnectorConfig, model: str, spec: ModelSpec):
+        self.config, self.model, self.spec = config, model, spec
+        self._store: KVStore | None = shared_store(config.store) if config.store is not None else None
+        self._clients: dict[str, KVStoreClient] = {}  # bearer token ("" for none) -> client
+        self._registered: set[Any] = set()  # backends (and salts) the model is registered with
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self.warning = RateLimitedWarning()
+        self._closed = False
+
+    # -- which backend serves a salt ----------------------------------------------------------
+    def _backend(self, salt: str | None) -> tuple[Any, str | None] | None:
+        """(backend, tenant argument) for requests with `salt`; None when they may not use the store."""
+        if self._store is not None:
+            return self._store, salt
+        token = self.config.token_for(salt)
+        if salt is not None and token is None:
+            self.warning.warn("kvstore: requests with cache_salt %r have no token in kv_connector_extra_config.tokens; "
+                              "they do not use the store (a sidecar's tenant comes from the bearer token)", salt)
+            return None
+        key = token or ""
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = self._clients[key] = KVStoreClient(self.config.url, token=token, timeout_s=self.config.timeout_s)
+        return client, None
+
+    def usable(self, salt: str | None) -> bool:
+        """Whether requests with `salt` can use the store at all (without warning)."""
+        return self._store is not None or salt is None or self.config.token_for(salt) is not None
+
+    def _call(self, what: str, salt: str | None, fn: Any) -> Any:
+        """`fn(backend, tenant)` after registering the model; None on any failure (then the store is
+        left alone for retry_after_s)."""
+        if self._closed or time.monotonic() < self._down_until:
+            return None
+        found = self._backend(salt)
+        if found is None:
+            return None
+        backend, tenant = found
+        key = (id(backend), tenant)
+        try:
+            if key not in self._registered:
+                backend.register_model(self.model, self.spec, tenant=tenant)
+                self._registered.add(key)
+            try:
+                return fn(backend, tenant)
+            except KVStoreError as exc:
+                if exc.code != "model_not_found":
+                    raise
+                # A sidecar restarted without its disk tier, or the model was dropped: register again.
+                backend.register_model(self.model, self.spec, tenant=tenant)
+                return fn(backend, tenant)
+        except Exception as exc:  # every failure is a miss: the engine recomputes
+            self._down_until = time.monotonic() + self.config.retry_after_s
+            self._registered.discard(key)
+            self.warning.warn("kvstore %s failed (%s: %s); recomputing, and leaving the store alone for %.0f s",
+                              what, type(exc).__name__, exc, self.config.retry_after_s)
+            return None
+
+    # -- the three calls ----------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int], salt: str | None) -> int:
+        """Leading tokens of `tokens` the store holds now (0 on failure)."""
+        result = self._call("lookup", salt, lambda b, t: b.lookup(self.model, tokens, tenant=t))
+        return 0 if result is None else int(result.matched_tokens)
+
+    def fetch(self, tokens: Sequence[int], start: int, salt: str | None) -> tuple[int, Any]:
+        """(matched tokens, kv (L, 2, matched - start, H, D)) of `tokens`; (0, None) on failure.
+        Anything but KV of the spec's shape and dtype is a failure: it would be wrong tokens."""
+        result = self._call("fetch", salt, lambda b, t: b.fetch(self.model, tokens, start=start, tenant=t))
+        if result is None or result.matched_tokens <= start or result.kv is None:
+            return 0, None
+        matched = min(int(result.matched_tokens), len(tokens))
+        kv = result.kv
+        expected = self.spec.kv_shape(int(result.matched_tokens) - start)
+        if tuple(kv.shape) != expected or str(kv.dtype).removeprefix("torch.") != self.spec.dtype:
+            self.warning.warn("kvstore fetch answered kv %s %s, expected %s %s; recomputing",
+                              tuple(kv.shape), kv.dtype, expected, self.spec.dtype)
+            return 0, None
+        return matched, kv
+
+    def store(self, tokens: Sequence[int], kv: Any, start: int, salt: str | None) -> int | None:
+        """Store KV of tokens[start:]; the tokens the store now holds of `tokens`, None on failure."""
+        result = self._call("store", salt, lambda b, t: b.store(self.model, tokens, kv, start=start, tenant=t))
+        return None if result is None else int(result.stored_tokens)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for client in self._clients.values():
+            client.close()
+        if self._store is not None:
+            self._store = None
+            release_store(self.config.store)

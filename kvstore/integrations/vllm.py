@@ -1,0 +1,153 @@
+"""`KVStoreConnector`: kvstore as a vLLM KV connector (vLLM's `KVConnectorBase_V1`).
+
+    LLM(model, kv_transfer_config=KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both", kv_connector_extra_config={"url": "http://127.0.0.1:8100"}))
+
+A prompt's prefix that any engine (or kvstore's own decode loop) computed before is loaded from
+the store into the blocks vLLM allocated instead of being computed; every prompt block vLLM
+computes is stored, in kvstore's canonical `(L, 2, T, H, D)` layout, so the same pages serve
+every client of the store. `kv_connector_extra_config` is documented in connector_config.py;
+docs/vllm.md has the set-up and the measured figures.
+
+vLLM makes two connectors per engine, one per role: the scheduler side decides what to load
+and store (vllm_scheduler.py), the worker side moves the blocks (vllm_worker.py). This class
+only routes vLLM's calls to them.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from kvstore.integrations.connector_config import ConnectorConfig
+from kvstore.integrations.store_link import StoreLink
+from kvstore.integrations.vllm_model import spec_from_vllm, store_model_name
+from kvstore.integrations.vllm_scheduler import SchedulerSide, StepMeta
+from kvstore.integrations.vllm_worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+log = logging.getLogger("kvstore.vllm")
+
+
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's loads and saves, scheduler -> worker."""
+
+    def __init__(self, step: StepMeta):
+        self.step = step
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        spec = spec_from_vllm(vllm_config, self.config.page_size)
+        model = store_model_name(vllm_config.model_config.served_model_name, self.config.model)
+        self.link = StoreLink(self.config, model, spec)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # A cache miss must cost a recompute, never a failed request (vLLM's default, "fail",
+            # suits disaggregated prefill, where the KV has no other source). The scheduler reads
+            # this right after constructing its connector.
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a store miss is recomputed)")
+                transfer.kv_load_failure_policy = "recompute"
+            self.scheduler = SchedulerSide(self.link, self.block_size)
+        else:
+            self.worker = WorkerSide(self.link, self.block_size)
+        log.info("KVStoreConnector (%s): model %r, %s, page_size %d, block_size %d", role.name.lower(), model,
+                 self.config.url or "in-process store", spec.page_size, self.block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss, never a wrong answer
+
+    # -- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        assert self.worker is not None
+        layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
+        backends = {name: layers[name].attn_backend.get_name() for name in kv_caches}
+        isa = {getattr(layers[name], "isa", None) for name in kv_caches}
+
+        def cpu_writer():
+            # vLLM's own CPU cache write, as CPUAttentionBackendImpl.do_kv_cache_update calls it.
+            from vllm import _custom_ops as ops
+
+            if len(isa) != 1 or None in isa:
+                raise ValueError(f"KVStoreConnector: CPU attention layers report ISAs {sorted(map(str, isa))}")
+            chosen = next(iter(isa))
+
+            def write(block: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+                n, h, b, _ = block.shape
+                key_cache, value_cache = block.view(n, h, 2 * b, -1).chunk(2, dim=2)
+                ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, chosen)
+
+            return write
+
+        self.worker.register(kv_caches, backends, cpu_writer, self._vllm_config.cache_config.kv_cache_layout)
+        log.info("KVStoreConnector: %d layers, paged layout %s", len(kv_caches), self.worker.layout.name)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_load(self._step())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.save_layer(self._step(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.finish_step(self._step() if self.has_connector_metadata() else None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_error_blocks() if self.worker is not None else set()
+
+    def _step(self) -> StepMeta:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta.step
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def on_new_request(self, request: "Request") -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return KVStoreConnectorMetadata(self.scheduler.build_meta(scheduler_output))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self.scheduler.request_finished(request)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.link.close()

@@ -1,0 +1,66 @@
+"""The store's name and `ModelSpec` for the model a vLLM engine serves.
+
+Pages are shared only between clients that register the same name and the same spec, so both
+are derived exactly as the decode loop derives them for the same Hugging Face checkpoint
+(decode/loader.py, decode/arch.py): the name of a checkpoint directory is the directory's own
+name, the spec holds the KV layout (layers, KV heads, head size, the KV dtype, the page size)
+and how K was rotated (theta and the HF rope scaling without `rope_theta`, none for "default").
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from kvstore import ModelSpec
+
+KV_DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+
+
+def store_model_name(served_model_name: Any, override: str | None = None) -> str:
+    """`override`, else vLLM's served model name; a path names the model by its last component,
+    as `load_checkpoint` does (`vllm serve /models/llama-3-8b` -> "llama-3-8b")."""
+    if override:
+        return override
+    name = served_model_name[0] if isinstance(served_model_name, (list, tuple)) else served_model_name
+    name = str(name)
+    if os.path.isdir(name) or name.startswith(("/", "./", "../", "~")):
+        return os.path.basename(os.path.normpath(os.path.expanduser(name)))
+    return name
+
+
+def rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from a transformers config: 5.x `rope_parameters` or 4.x `rope_theta` +
+    `rope_scaling`, read as decode/loader.py reads config.json."""
+    rope: Mapping[str, Any] = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return float(theta), (None if not rope or kind == "default" else rope)
+
+
+def model_spec(*, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: Any, page_size: int,
+               hf_config: Any) -> ModelSpec:
+    dtype = KV_DTYPES.get(str(kv_dtype))
+    if dtype is None:
+        raise ValueError(f"kv cache dtype: kvstore holds {', '.join(KV_DTYPES.values())} KV, got {kv_dtype}")
+    theta, scaling = rope_of(hf_config)
+    return ModelSpec(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                     page_size=page_size, rope_theta=theta, rope_style="neox", rope_scaling=scaling)
+
+
+def spec_from_vllm(vllm_config: Any, page_size: int) -> ModelSpec:
+    """The spec of the KV a vLLM engine computes. Refuses what one store page cannot describe:
+    tensor or pipeline parallelism (each rank holds part of the heads or layers), a quantized
+    KV cache, a block size the page size does not divide."""
+    parallel, model, cache = vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError("KVStoreConnector: tensor_parallel_size and pipeline_parallel_size must be 1 "
+                         f"(got {parallel.tensor_parallel_size}, {parallel.pipeline_parallel_size})")
+    if cache.cache_dtype not in ("auto", None):
+        raise ValueError(f"KVStoreConnector: kv_cache_dtype {cache.cache_dtype!r} is not supported (use auto)")
+    block_size = cache.block_size
+    if block_size % page_size:
+        raise ValueError(f"kv_connector_extra_config.page_size: must divide vLLM's block_size {block_size}, got {page_size}")
+    return model_spec(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
+                      head_dim=model.get_head_size(), kv_dtype=model.dtype, page_size=page_size,
+                      hf_config=model.hf_text_config)

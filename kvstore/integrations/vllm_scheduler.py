@@ -1,0 +1,150 @@
+"""The scheduler side of `KVStoreConnector`: which blocks to load from the store, which to store.
+
+Per step vLLM asks, for each new (or resumed) request, how many tokens beyond its own prefix
+cache the store can supply (`matched_tokens`), allocates blocks for them (`after_alloc`), then
+asks for the step's metadata (`build_meta`), which the worker side executes around the forward:
+
+    load  (req, tokens[:end], start, block ids of [start, end))  fetched into those blocks
+    save  (req, tokens[:end], start, block ids of [0, end))      blocks [start, end) stored
+
+Invariants:
+- A hit is whole vLLM blocks and never the whole prompt: at least its last token is computed,
+  so the step that follows has logits to sample from.
+- Only prompt tokens are stored, each block once, in the step that completes it (so chunked
+  prefill stores chunk by chunk); `saved_tokens` is where the next save starts. Blocks before
+  the first save (vLLM's own prefix hit, the store's hit) are not sent again unless the store
+  turns out to have lost them (the worker then sends the gap; it still has the blocks).
+- A request's state lives from `on_new_request` to `request_finished` (finished, aborted,
+  rejected alike). A preempted request keeps it: its stored blocks stay stored; when it is
+  resumed its block ids are replaced and the store is asked again.
+- Saves are synchronous within the step (the worker copies the blocks out before the step
+  ends), so no block outlives its request on the connector's account: `request_finished`
+  never delays freeing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.integrations.store_link import StoreLink
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    salt: str | None
+    tokens: list[int]  # the prompt's first `end` tokens: the store's key for the pages
+    start: int  # first token to load (a block boundary: where vLLM's own prefix hit ends)
+    block_ids: list[int]  # vLLM blocks receiving tokens [start, end)
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    salt: str | None
+    tokens: list[int]  # the prompt's first `end` tokens
+    start: int  # first token to store (a block boundary)
+    block_ids: list[int]  # vLLM blocks holding tokens [0, end), for a gap the store lost
+
+
+@dataclass
+class StepMeta:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    salt: str | None
+    prompt: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    saved_tokens: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, link: StoreLink, block_size: int):
+        self.link, self.block_size = link, block_size
+        self._requests: dict[str, _Tracked] = {}
+        self._hits: dict[str, tuple[int, int]] = {}  # req -> (local tokens, store hit end), last answer
+        self._loads: dict[str, LoadSpec] = {}  # allocated, to be loaded in the next step
+
+    @staticmethod
+    def usable(request: Any) -> bool:
+        """Requests whose KV is a function of their token ids alone: no LoRA adapter, no
+        multimodal inputs, no prompt embeddings (their pages would collide with plain text's)."""
+        return (request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
+                and getattr(request, "lora_request", None) is None and getattr(request, "prompt_embeds", None) is None)
+
+    def on_new_request(self, request: Any) -> None:
+        if self.usable(request) and self.link.usable(request.cache_salt):
+            self._requests[request.request_id] = _Tracked(request.cache_salt, list(request.prompt_token_ids))
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` (vLLM's block-aligned local hit) the store can load."""
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            return 0
+        B = self.block_size
+        limit = (len(tracked.prompt) - 1) // B * B  # whole blocks, never the last prompt token
+        if limit <= num_computed_tokens:
+            return 0
+        matched = self.link.lookup(tracked.prompt[:limit], tracked.salt)
+        hit = min(matched, limit) // B * B
+        if hit <= num_computed_tokens:
+            self._hits.pop(request.request_id, None)
+            return 0
+        self._hits[request.request_id] = (num_computed_tokens, hit)
+        return hit - num_computed_tokens
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        hit = self._hits.pop(request.request_id, None)
+        tracked = self._requests.get(request.request_id)
+        if num_external_tokens <= 0 or hit is None or tracked is None:
+            return
+        start = hit[0]
+        end = start + num_external_tokens
+        B = self.block_size
+        self._loads[request.request_id] = LoadSpec(request.request_id, tracked.salt, tracked.prompt[:end], start,
+                                                   list(block_ids[start // B:end // B]))
+
+    def build_meta(self, scheduler_output: Any) -> StepMeta:
+        meta = StepMeta(loads=list(self._loads.values()))
+        self._loads.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            tracked.saved_tokens = max(tracked.saved_tokens, new.num_computed_tokens // self.block_size * self.block_size)
+            self._plan_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: these are all of its blocks
+                tracked.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[0])
+            self._plan_save(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan_save(self, meta: StepMeta, req_id: str, tracked: _Tracked, computed_after_step: int) -> None:
+        end = min(computed_after_step, len(tracked.prompt)) // self.block_size * self.block_size
+        if end <= tracked.saved_tokens or end // self.block_size > len(tracked.block_ids):
+            return
+        meta.saves.append(SaveSpec(req_id, tracked.salt, tracked.prompt[:end], tracked.saved_tokens,
+                                   tracked.block_ids[:end // self.block_size]))
+        tracked.saved_tokens = end
+
+    def request_finished(self, request: Any) -> None:
+        self._requests.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests with state here (0 once every request finished: nothing leaks)."""
+        return len(self._requests) + len(self._hits) + len(self._loads)

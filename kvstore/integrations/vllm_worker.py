@@ -1,0 +1,202 @@
+"""The worker side of `KVStoreConnector`: moves the step's blocks between vLLM's paged cache and the store.
+
+    start_load_kv        fetch every load of the step (one call per request: the store answers
+                         all layers at once); blocks the store no longer holds are load errors
+    wait_for_layer_load  scatter this layer's slice of the fetched KV into its blocks, just
+                         before the layer's attention reads them
+    save_kv_layer        right after a layer's attention: copy this layer's blocks to be saved
+                         out of the paged cache, into the request's (L, 2, T, H, D) buffer
+    wait_for_save        store the buffers (the blocks are no longer needed once copied out)
+
+Layer-wise, the first layer's attention waits only for its own copy, and the copies out happen
+as each layer finishes instead of in one pass after the last.
+
+A load that fails in any way (fetch error, fewer tokens than promised, a layer never loaded)
+reports the blocks it could not fill through `load_error_blocks`; vLLM then recomputes them
+(kv_load_failure_policy "recompute", which the connector sets). Wrong KV is never written: a
+fetch answer of the wrong shape or dtype is a failure (store_link.py).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+
+from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, PagedLayout,
+                                               UnsupportedLayout, probe_block_order)
+from kvstore.integrations.store_link import StoreLink
+from kvstore.integrations.vllm_scheduler import LoadSpec, SaveSpec, StepMeta
+
+# Backends whose per-layer cache is the logical (num_blocks, H, B, 2D) view with K then V in the
+# last dim, in either physical order (NHD or HND): checked in their forward() of vLLM 0.32.
+CONTENT_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER")
+CPU_BACKEND = "CPU_ATTN"
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """`model.layers.7.self_attn.attn` -> 7 (the store's layer index)."""
+    found = _LAYER_INDEX.findall(name)
+    if not found:
+        raise UnsupportedLayout(f"{name}: cannot tell which layer this KV cache belongs to")
+    return int(found[-1])
+
+
+def layout_for(backend: str, *, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               cpu_writer: Callable[[], Callable[..., None]] | None = None, kv_cache_layout: str | None = None) -> PagedLayout:
+    """The `PagedLayout` of an attention backend, by its vLLM name; any other is refused by name."""
+    if backend in CONTENT_SPLIT_BACKENDS:
+        return ContentSplitLayout(f"{backend}/{kv_cache_layout or 'NHD'}", block_size, num_kv_heads, head_dim)
+    if backend == CPU_BACKEND and cpu_writer is not None:
+        name = f"{backend}"
+        order = probe_block_order(cpu_writer(), block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  dtype=dtype, name=name)
+        return BlockPermutationLayout(name, block_size, num_kv_heads, head_dim, order)
+    known = ", ".join((*CONTENT_SPLIT_BACKENDS, CPU_BACKEND))
+    raise UnsupportedLayout(f"KVStoreConnector: attention backend {backend!r} has a paged KV layout kvstore does not "
+                            f"know (known: {known})")
+
+
+class _Load:
+    def __init__(self, spec: LoadSpec, kv: torch.Tensor, block_ids: torch.Tensor):
+        self.spec, self.kv, self.block_ids = spec, kv, block_ids  # kv: (L, 2, T, H, D)
+        self.pending_layers: set[int] = set(range(kv.shape[0]))
+
+
+class _Save:
+    def __init__(self, spec: SaveSpec, buffer: torch.Tensor, block_ids: torch.Tensor):
+        self.spec, self.buffer, self.block_ids = spec, buffer, block_ids  # buffer: (L, 2, T, H, D)
+        self.pending_layers: set[int] = set(range(buffer.shape[0]))
+
+
+class WorkerSide:
+    def __init__(self, link: StoreLink, block_size: int):
+        self.link, self.block_size = link, block_size
+        self.spec = link.spec
+        self.layers: dict[str, torch.Tensor] = {}  # vLLM layer name -> its paged cache
+        self.index: dict[str, int] = {}  # vLLM layer name -> store layer index
+        self.layout: PagedLayout | None = None
+        self._loads: list[_Load] = []
+        self._saves: list[_Save] = []
+        self._failed_blocks: set[int] = set()
+        self.stats = {"loaded_tokens": 0, "failed_blocks": 0, "saved_tokens": 0}
+
+    def register(self, kv_caches: dict[str, torch.Tensor], backends: dict[str, str],
+                 cpu_writer: Callable[[], Callable[..., None]] | None, kv_cache_layout: str | None) -> None:
+        """Take vLLM's per-layer caches; refuse (at start) anything the store's spec cannot describe."""
+        names = sorted(kv_caches, key=layer_index)
+        indices = [layer_index(n) for n in names]
+        if indices != list(range(self.spec.num_layers)):
+            raise UnsupportedLayout(f"KVStoreConnector: expected KV caches of layers 0..{self.spec.num_layers - 1}, "
+                                    f"got layers {indices}")
+        kinds = set(backends.values())
+        if len(kinds) != 1:
+            raise UnsupportedLayout(f"KVStoreConnector: layers use several attention backends {sorted(kinds)}")
+        first = kv_caches[names[0]]
+        dtype_name = str(first.dtype).removeprefix("torch.")
+        if dtype_name != self.spec.dtype:
+            raise UnsupportedLayout(f"KVStoreConnector: KV cache dtype {dtype_name} differs from the model's {self.spec.dtype}")
+        self.layout = layout_for(kinds.pop(), block_size=self.block_size, num_kv_heads=self.spec.num_kv_heads,
+                                 head_dim=self.spec.head_dim, dtype=first.dtype, cpu_writer=cpu_writer,
+                                 kv_cache_layout=kv_cache_layout)
+        for name in names:
+            layer = kv_caches[name]
+            if isinstance(self.layout, ContentSplitLayout):
+                self.layout.check(layer)
+            self.layers[name], self.index[name] = layer, layer_index(name)
+
+    # -- loads ----------------------------------------------------------------------------------
+    def start_load(self, meta: StepMeta) -> None:
+        self._loads = []
+        B = self.block_size
+        for spec in meta.loads:
+            end = len(spec.tokens)
+            matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt)
+            usable = max(0, (min(matched, end) - spec.start) // B)  # whole blocks the store still had
+            if usable < len(spec.block_ids):
+                self._failed_blocks.update(spec.block_ids[usable:])
+                self.stats["failed_blocks"] += len(spec.block_ids) - usable
+            if usable == 0 or kv is None:
+                continue
+            device = next(iter(self.layers.values())).device
+            block_ids = torch.tensor(spec.block_ids[:usable], dtype=torch.long, device=device)
+            self._loads.append(_Load(spec, kv[:, :, :usable * B], block_ids))
+            self.stats["loaded_tokens"] += usable * B
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        i = self.index.get(layer_name)
+        if i is None or not self._loads:
+            return
+        layer = self.layers[layer_name]
+        assert self.layout is not None
+        for load in self._loads:
+            if i in load.pending_layers:
+                self.layout.scatter(layer, load.block_ids, load.kv[i].to(layer.device))
+                load.pending_layers.discard(i)
+
+    # -- saves ----------------------------------------------------------------------------------
+    def save_layer(self, meta: StepMeta, layer_name: str, layer: torch.Tensor) -> None:
+        i = self.index.get(layer_name)
+        if i is None:
+            return
+        if not self._saves and meta.saves:
+            self._saves = [self._new_save(spec) for spec in meta.saves]
+        assert self.layout is not None
+        for save in self._saves:
+            if i in save.pending_layers:
+                save.buffer[i] = self.layout.gather(layer, save.block_ids)
+                save.pending_layers.discard(i)
+
+    def _new_save(self, spec: SaveSpec) -> _Save:
+        B = self.block_size
+        blocks = spec.block_ids[spec.start // B:]
+        device = next(iter(self.layers.values())).device
+        dtype = next(iter(self.layers.values())).dtype
+        buffer = torch.empty(self.spec.kv_shape(len(blocks) * B), dtype=dtype, device=device)  # (L, 2, T, H, D)
+        return _Save(spec, buffer, torch.tensor(blocks, dtype=torch.long, device=device))
+
+    def _gather_all(self, block_ids: list[int], out: torch.Tensor | None = None, layers: Any = None) -> torch.Tensor:
+        """KV of `block_ids` from every layer (or `layers`) of the paged cache: (L, 2, T, H, D)."""
+        assert self.layout is not None
+        names = list(self.layers)
+        device = self.layers[names[0]].device
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        if out is None:
+            out = torch.empty(self.spec.kv_shape(len(block_ids) * self.block_size), dtype=self.layers[names[0]].dtype,
+                              device=device)
+        for name in names:
+            i = self.index[name]
+            if layers is None or i in layers:
+                out[i] = self.layout.gather(self.layers[name], ids)
+        return out
+
+    def finish_step(self, meta: StepMeta | None) -> None:
+        """End of the step: layers never loaded are load errors; store every save."""
+        for load in self._loads:
+            if load.pending_layers:  # the forward never asked for these layers: do not trust the blocks
+                self._failed_blocks.update(load.block_ids.tolist())
+                self.stats["failed_blocks"] += load.block_ids.numel()
+        self._loads = []
+        if meta is not None and meta.saves and not self._saves:
+            self._saves = [self._new_save(spec) for spec in meta.saves]
+        saves, self._saves = self._saves, []
+        for save in saves:
+            if save.pending_layers:  # a layer without the save hook: copy it now, its blocks are intact
+                self._gather_all(save.block_ids.tolist(), out=save.buffer, layers=save.pending_layers)
+            self._store(save)
+
+    def _store(self, save: _Save) -> None:
+        spec, B = save.spec, self.block_size
+        held = self.link.store(spec.tokens, save.buffer, spec.start, spec.salt)
+        if held is not None and held < spec.start:
+            # The store lost (or never had) the blocks before this save: send them too, from here.
+            first = held // B * B
+            gap = self._gather_all(spec.block_ids[first // B:spec.start // B])
+            held = self.link.store(spec.tokens, torch.cat([gap, save.buffer], dim=2), first, spec.salt)
+        if held is not None:
+            self.stats["saved_tokens"] += max(0, min(held, len(spec.tokens)) - spec.start)
+
+    def load_error_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

@@ -1,0 +1,132 @@
+"""Paged-layout conversion: every layout moves exactly the named blocks, bit for bit, both ways.
+
+The GPU backends' layouts (FlashAttention and FlashInfer: a logical (N, H, B, 2D) view stored
+NHD or HND) are checked on CPU tensors of those shapes; the CPU backend's ISA-specific block
+arrangement is checked against vLLM's own cache-write op when vLLM is installed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, UnsupportedLayout,
+                                               probe_block_order)
+from kvstore.integrations.vllm_worker import layer_index, layout_for
+
+B, H, D, N = 32, 2, 8, 12  # block size, KV heads, head size, blocks in the pool
+BLOCKS = torch.tensor([7, 2, 9])
+
+
+def canonical_kv(num_blocks: int, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((2, num_blocks * B, H, D), generator=g).to(dtype)  # (2, T, H, D)
+
+
+def gpu_layer(physical: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logical (N, H, B, 2D) view, its physical storage) of a FlashAttention/FlashInfer layer."""
+    if physical == "NHD":
+        storage = torch.zeros((N, B, H, 2 * D), dtype=torch.bfloat16)
+        return storage.permute(0, 2, 1, 3), storage
+    storage = torch.zeros((N, H, B, 2 * D), dtype=torch.bfloat16)
+    return storage, storage
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_content_split_layouts_put_k_then_v_of_each_token_where_the_kernels_read_them(backend, physical):
+    layer, storage = gpu_layer(physical)
+    layout = layout_for(backend, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16, kv_cache_layout=physical)
+    assert isinstance(layout, ContentSplitLayout) and layout.name == f"{backend}/{physical}"
+    kv = canonical_kv(len(BLOCKS))
+    layout.scatter(layer, BLOCKS, kv)
+    for n, block in enumerate(BLOCKS.tolist()):
+        for t in (0, 5, B - 1):
+            for h in range(H):
+                # What the kernels read: NHD storage[block, t, h, :D] is K, HND storage[block, h, t, :D].
+                cell = storage[block, t, h] if physical == "NHD" else storage[block, h, t]
+                assert torch.equal(cell[:D], kv[0, n * B + t, h]) and torch.equal(cell[D:], kv[1, n * B + t, h])
+    untouched = [b for b in range(N) if b not in BLOCKS.tolist()]
+    assert not storage[untouched].any()
+    assert torch.equal(layout.gather(layer, BLOCKS), kv)
+    assert torch.equal(layout.gather(layer, BLOCKS[1:]), kv[:, B:])
+
+
+def test_content_split_layout_refuses_a_layer_of_another_shape():
+    layout = layout_for("FLASH_ATTN", block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedLayout, match="FLASH_ATTN"):
+        layout.check(torch.zeros((N, H, B, D)))
+
+
+def transposed_k_writer(block, key, value, slots):
+    """A writer like the CPU backend's 'vec' ISA: per head, K stored (D, B), V stored (B, D)."""
+    n, h, b, _ = block.shape
+    halves = block.view(n, h, 2 * b, -1)
+    for i, slot in enumerate(slots.tolist()):
+        blk, off = divmod(slot, b)
+        flat_k = halves[blk, :, :b].reshape(h, -1)  # (H, B * D) viewed as (H, D, B)
+        flat_k.view(h, -1, b)[:, :, off] = key[i]
+        halves[blk, :, b + off] = value[i]
+
+
+def test_probe_recovers_a_transposed_k_block_and_the_layout_round_trips():
+    order = probe_block_order(transposed_k_writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16,
+                              name="test")
+    layout = BlockPermutationLayout("test", B, H, D, order)
+    layer = torch.zeros((N, H, B, 2 * D), dtype=torch.bfloat16)
+    kv = canonical_kv(len(BLOCKS))
+    layout.scatter(layer, BLOCKS, kv)
+    expected = torch.zeros_like(layer)  # what the writer itself produces for the same tokens
+    slots = (BLOCKS[:, None] * B + torch.arange(B)).reshape(-1)
+    transposed_k_writer(expected, kv[0], kv[1], slots)
+    assert torch.equal(layer, expected)
+    assert torch.equal(layout.gather(expected, BLOCKS), kv)
+
+
+def dropping_writer(block, key, value, slots):
+    transposed_k_writer(block, key, value, slots)
+    block.view(-1)[3] = 0
+
+
+def duplicating_writer(block, key, value, slots):
+    transposed_k_writer(block, key, value, slots)
+    block.view(-1)[3] = block.view(-1)[4]
+
+
+@pytest.mark.parametrize("writer", [dropping_writer, duplicating_writer])
+def test_probe_refuses_a_writer_that_is_not_a_permutation(writer):
+    with pytest.raises(UnsupportedLayout, match="probe-me"):
+        probe_block_order(writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16, name="probe-me")
+
+
+def test_an_unknown_backend_is_refused_by_name():
+    with pytest.raises(UnsupportedLayout, match="TRITON_MLA"):
+        layout_for("TRITON_MLA", block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16)
+
+
+def test_layer_names_map_to_store_layers():
+    assert layer_index("model.layers.7.self_attn.attn") == 7
+    with pytest.raises(UnsupportedLayout, match="lm_head"):
+        layer_index("lm_head")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype):
+    ops = pytest.importorskip("vllm._custom_ops", reason="vLLM (CPU build) is not installed")
+    head_dim = 32  # the CPU kernels' smallest head size
+
+    def write(block, key, value, slots):
+        n, h, b, _ = block.shape
+        key_cache, value_cache = block.view(n, h, 2 * b, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    order = probe_block_order(write, block_size=B, num_kv_heads=H, head_dim=head_dim, dtype=dtype, name=isa)
+    layout = BlockPermutationLayout(f"CPU_ATTN/{isa}", B, H, head_dim, order)
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn((2, len(BLOCKS) * B, H, head_dim), generator=g).to(dtype)
+    written = torch.zeros((N, H, B, 2 * head_dim), dtype=dtype)
+    slots = (BLOCKS[:, None] * B + torch.arange(B)).reshape(-1)
+    write(written, kv[0].contiguous(), kv[1].contiguous(), slots)
+    assert torch.equal(layout.gather(written, BLOCKS), kv)
+    scattered = torch.zeros_like(written)
+    layout.scatter(scattered, BLOCKS, kv)
+    assert torch.equal(scattered, written)
