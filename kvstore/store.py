@@ -40,7 +40,7 @@ from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.tier_stack import TierStack
 from kvstore.validation import (check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
                                 check_start_pos, token_bytes)
-from kvstore.tiers.base import PageRecord
+from kvstore.tiers.base import PageRecord, WriteTicket
 
 log = logging.getLogger("kvstore.store")
 
@@ -66,8 +66,8 @@ class KVStore:
         self._counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
                           "fetched_tokens": 0, "stored_pages": 0, "requested_tokens": 0}
         self._closed = False
-        if "disk" in tiers.record_tiers:
-            rebuild_index(self._index, self._placement, self._registry, tiers.record_tiers["disk"])
+        if tiers.persistent is not None:
+            rebuild_index(self._index, self._placement, self._registry, tiers.tiers[tiers.persistent])
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "KVStore":
@@ -83,14 +83,13 @@ class KVStore:
             if self._closed:
                 return
             self._closed = True
-            if "disk" in self._tiers.record_tiers:
-                self._tiers.save_memory_pages(self._index)
+            self._tiers.save_memory_pages(self._index)
             self._tiers.close()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued tier writes (the disk writer, Redis' write-behind) are done, e.g.
         before reading the disk from another process. False if `timeout_s` ran out first."""
-        return all(tier.flush(timeout_s) for tier in self._tiers.record_tiers.values())
+        return self._tiers.flush(timeout_s)
 
     # -- models ----------------------------------------------------------------------------
     def register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> ModelSpec:
@@ -168,13 +167,12 @@ class KVStore:
         with self._lock:
             self._drain_lost_copies()
             match = self._index.match(entry.namespace, tb, entry.spec.page_size)
-            shared = self._tiers.record_tiers.get("redis")
             tiers: dict[str, int] = {}
             done = 0
             for node in match.path:
                 used = min(node.num_tokens, match.matched_tokens - done)
                 tier = self._tiers.source_tier(node)
-                if tier == "redis" and not shared.available:
+                if not self._tiers.tiers[tier].available:
                     break  # Redis is unreachable: a fetch could not serve these pages now
                 tiers[tier] = tiers.get(tier, 0) + used
                 done += used
@@ -185,16 +183,16 @@ class KVStore:
     @property
     def has_shared_tier(self) -> bool:
         """True with a Redis tier: lookup and fetch may then do network I/O (probing Redis)."""
-        return "redis" in self._tiers.record_tiers
+        return self._tiers.shared is not None
 
     def stores_in_memory(self, nbytes: int) -> bool:
         """Whether storing `nbytes` of new KV now would only copy into memory: write-back, a
         memory top tier, and no eviction that writes a record tier (the disk writer's bounded
         queue can block). Like `in_memory_bytes`, it lets the sidecar skip the thread hop."""
         top = self._tiers.top
-        if self.config.durability != "write-back" or top not in self._tiers.slot_tiers:
+        if self.config.durability != "write-back" or not self._tiers.keeps_slots(top):
             return False
-        if not self._tiers.record_tiers:
+        if all(tier.keeps_slots for tier in self._tiers.tiers.values()):
             return True  # evictions only drop pages
         with self._lock:
             return not self._placement.quotas and self._placement.fits(top, nbytes)
@@ -236,7 +234,7 @@ class KVStore:
             match = self._index.match(root_key, tb, spec.page_size)
             if memory_only_max_bytes is not None and (
                     (match.matched_tokens - start) * spec.bytes_per_token > memory_only_max_bytes
-                    or any(self._tiers.source_tier(node) not in self._tiers.slot_tiers for node in match.path)):
+                    or any(not self._tiers.keeps_slots(self._tiers.source_tier(node)) for node in match.path)):
                 return None  # fetch_in_memory: this one needs I/O or is too big
             if count:
                 self._counters["fetches"] += 1
@@ -255,7 +253,7 @@ class KVStore:
                 if offset + used > start:
                     self._placement.usage[tier].hits += 1
                     node.hits += 1
-                    slot = self._tiers.slot_tiers[tier].get(node.key) if tier in self._tiers.slot_tiers else None
+                    slot = self._tiers.slot(tier, node.key)
                     reads.append((node, offset, used, tier, slot))
                 offset += used
         shape, dtype = spec.kv_shape(match.matched_tokens - start), TORCH_DTYPES[spec.dtype]
@@ -408,8 +406,8 @@ class KVStore:
                 writes.append((node, tier, slot, s, e))
                 parent = node
                 stored_tokens = e
-        durable: list[threading.Event] = []
-        shared = self._tiers.record_tiers.get("redis")
+        durable: list[WriteTicket] = []
+        shared = self._tiers.shared
         shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
         ok = False
         kv_array = host_array(kv)
@@ -420,21 +418,17 @@ class KVStore:
                 if raw is not None:  # a raw page in host memory: numpy copies it in
                     np.copyto(raw, kv_array[:, :, s - start:e - start], casting="no")
                 else:
-                    page_kv = kv[:, :, s - start:e - start]  # (L, 2, n, H, D)
-                    if slot is not None:
-                        codec = self._tiers.codecs[tier]
-                        codec.encode(spec, page_kv, slot[:codec.encoded_bytes(spec, e - s)])
-                    else:
-                        durable.append(self._tiers.record_tiers[tier].put(self._tiers.record(spec, node, tier, kv=page_kv)))
-                if shared is not None and tier != "redis" and shared.available:
-                    shares.append((node, self._tiers.record(spec, node, "redis", kv=kv[:, :, s - start:e - start])))
+                    ticket = self._tiers.put_page(spec, node, tier, kv=kv[:, :, s - start:e - start], slot=slot)
+                    durable.append(ticket)  # type: ignore[arg-type]
+                if shared is not None and tier != shared.name and shared.available:
+                    shares.append((node, self._tiers.record(spec, node, shared.name, kv=kv[:, :, s - start:e - start])))
             ok = True
         finally:
             with self._lock:
                 for node, tier, slot, s, e in writes:
                     if ok:
                         node.ready = True
-                        if self.config.durability == "write-through" and tier != "disk":
+                        if self.config.durability == "write-through" and tier != self._tiers.persistent:
                             event = self._tiers.write_through(spec, node, kv[:, :, s - start:e - start])
                             if event is not None:
                                 durable.append(event)
@@ -445,15 +439,15 @@ class KVStore:
                     else:
                         self._placement.remove_from(node, tier)
                 for node, record in shares:  # queued, never waited for: Redis must not slow stores
-                    if ok and node.ready and node.tiers and "redis" not in node.tiers:
-                        self._placement.add(node, "redis", self._tiers.size_in(node, "redis"))
+                    if ok and node.ready and node.tiers and shared.name not in node.tiers:  # type: ignore[union-attr]
+                        self._placement.add(node, shared.name, self._tiers.size_in(node, shared.name))  # type: ignore[union-attr]
                         shared.put(record)  # type: ignore[union-attr]
                 for node in path:
                     self._placement.unpin(node)
                 self._counters["stored_pages"] += len(writes) if ok else 0
         for event in durable:
             event.wait()
-        lost = sum(not getattr(event, "ok", True) for event in durable)
+        lost = sum(not event.ok for event in durable)
         if lost:  # the disk refused the write (full): the pages are not durable, or not stored at all
             raise InsufficientStorage(f"store: the disk tier could not write {lost} of the pages (disk full?); "
                                       "they are not stored durably")
@@ -483,7 +477,7 @@ class KVStore:
         Page keys are chained hashes of the tokens, so they are computed here without any index.
         Redis I/O (pipelined EXISTS) runs outside the lock; the tree is re-checked under it.
         Token ids are verified when a page is read (`_read_page`): a collision is a miss."""
-        shared = self._tiers.record_tiers.get("redis")
+        shared = self._tiers.shared
         if shared is None or not shared.available:
             return
         P = spec.page_size
@@ -530,7 +524,7 @@ class KVStore:
                 if node is None:
                     node = self._index.insert(parent, key, ptoks, tail=len(ptoks) < spec.page_size * TOKEN_BYTES)
                     node.ready = True
-                    self._placement.add(node, "redis", self._tiers.size_in(node, "redis"))
+                    self._placement.add(node, shared.name, self._tiers.size_in(node, shared.name))
                     self._placement.touch(node, self._clock)
                 elif node.parent is not parent or not node.ready or node.tokens != ptoks:
                     break  # a concurrent store is writing it, or a collision: stop here
@@ -556,7 +550,7 @@ class KVStore:
 
     def _drain_lost_copies(self) -> None:
         """Forget copies a record tier lost on its own (corrupt records, failed writes)."""
-        for name, tier in self._tiers.record_tiers.items():
+        for name, tier in self._tiers.tiers.items():
             for key in tier.take_failed():
                 node = self._index.get(key)
                 if node is not None:
@@ -573,15 +567,14 @@ class KVStore:
                                "hits": u.hits, "misses": u.misses, "evictions": u.evictions,
                                "demotions": u.demotions, "promotions": u.promotions,
                                "codec": self._tiers.codecs[name].name, "saved_bytes": u.saved_bytes}
-                extra = getattr(self._tiers.record_tiers.get(name), "stats", None)
-                if extra is not None:  # tier-specific counters (Redis: up, errors, missing pages)
-                    tiers[name].update({k: v for k, v in extra().items() if k not in tiers[name]})
+                extra = self._tiers.tiers[name].stats()  # tier-specific counters (Redis: up, errors, missing pages)
+                tiers[name].update({k: v for k, v in extra.items() if k not in tiers[name]})
             tenants: dict[str, dict[str, Any]] = {}  # names only: tokens never reach the store
             for tenant, quota in self._placement.quotas.items():
                 tenants[tenant] = {"max_bytes": quota, "bytes": {}}
             for (tier, tenant), nbytes in self._placement.tenant_bytes.items():
                 tenants.setdefault(tenant, {"max_bytes": None, "bytes": {}})["bytes"][tier] = nbytes
-            corrupt = sum(getattr(t, "corrupt_records", 0) for t in self._tiers.record_tiers.values())
+            corrupt = sum(t.corrupt_records for t in self._tiers.tiers.values())
             return {"tiers": tiers, "pages": len(self._index), "corrupt_records": corrupt,
                     "dropped_pages": self._placement.dropped_pages, "policy": self.config.policy,
                     "models": len(self._registry._models), "tenants": tenants, **self._counters}

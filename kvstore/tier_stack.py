@@ -4,17 +4,17 @@
 reserving and filling slots, encoding records, decoding a page out of whichever tier holds it,
 copying a page down a tier (it is the `TierMover` that `Placement` calls) or up into the top tier
 on a hit, and the byte cost of a page in each tier. Callers hold the store lock for everything
-that changes placement; `read_page` and `record_batches` run outside it on pinned pages.
+that changes placement; `put_page` on a reserved slot, `read_page` and `record_batches` run
+outside it on pinned pages.
 
-Top to bottom: gpu (if `gpu_bytes`), cpu (if `cpu_bytes`), disk (if `disk_bytes`), redis (if
-`redis_url`). Slot tiers (gpu, cpu) hold encoded pages in preallocated slots; record tiers
-(disk, redis) hold self-describing records.
+Top to bottom, the tiers of `TIER_TYPES` the config asks for: gpu (if `gpu_bytes`), cpu (if
+`cpu_bytes`), disk (if `disk_bytes`), redis (if `redis_url`). Every tier is driven through the
+interface of tiers/base.py; the one branch between slot tiers (encoded pages in preallocated
+slots) and record tiers (self-describing records) is in `put_page` and `slot`.
 """
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import warnings
 from functools import partial
 from typing import Any, Iterator
@@ -28,15 +28,18 @@ from kvstore.copy import NUMPY_DTYPES
 from kvstore.index import Node, PageIndex
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
-from kvstore.tiers.base import PageRecord, TierFull
+from kvstore.tiers.base import UNBOUNDED_BYTES, WRITTEN, PageRecord, RecordTier, SlotTier, Tier, TierFull, WriteTicket
 from kvstore.tiers.cpu import CPUTier
-from kvstore.tiers.disk_cost import disk_record_cost
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GPUTier
+from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.redis_landing import Landing
 
 log = logging.getLogger("kvstore.store")
 
-DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
-LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
+# Every kind of tier, top first: each builds itself from the config (or is absent).
+TIER_TYPES: tuple[type[Tier], ...] = (GPUTier, CPUTier, DiskTier, RedisTier)
+
 READ_BATCH_BYTES = 4 << 20  # a batching record tier (Redis) reads up to this much per round trip:
 # many small pages share one; big pages go a few at a time (redis-py parses huge pipelined
 # replies slower than single ones), and the tier reads the next batches ahead while this one
@@ -48,44 +51,36 @@ class TierStack:
         self.config = config
         self.registry = registry
         self.placement: Placement  # set by the store once placement exists (it needs this mover)
-        self.slot_tiers: dict[str, Any] = {}
-        self.record_tiers: dict[str, Any] = {}
+        self.tiers: dict[str, Tier] = {}  # by name, top first
         self.codecs: dict[str, Codec] = {}
-        capacities: list[tuple[str, int]] = []
-        if config.gpu_bytes:
-            from kvstore.tiers.gpu import GPUTier  # raises a clear error without a usable GPU
-
-            self.slot_tiers["gpu"] = GPUTier(config.gpu_bytes)
-            self.codecs["gpu"] = get_codec("none")
-            capacities.append(("gpu", config.gpu_bytes))
-        if config.cpu_bytes:
-            self.slot_tiers["cpu"] = CPUTier(config.cpu_bytes)
-            self.codecs["cpu"] = get_codec(config.cpu_codec)
-            capacities.append(("cpu", config.cpu_bytes))
-        if config.disk_bytes:
-            from kvstore.tiers.disk import DiskTier
-
-            self.record_tiers["disk"] = DiskTier(
-                os.path.join(config.data_dir, "pages"), config.disk_bytes,  # type: ignore[arg-type]
-                compression=config.disk_compression, zstd_level=config.zstd_level,
-                sync=config.durability == "write-through", queue_pages=config.disk_writer_queue)
-            self.codecs["disk"] = get_codec(config.disk_codec)
-            # The tier's capacity, not disk_bytes: it is smaller on a filesystem with less room.
-            disk_capacity = self.record_tiers["disk"].capacity_bytes
-            capacities.append(("disk", max(0, int(disk_capacity * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES)))
-        if config.redis_url:
-            from kvstore.tiers.redis import RedisTier
-
-            self.record_tiers["redis"] = RedisTier(config)
-            self.codecs["redis"] = get_codec(config.disk_codec)
-            capacities.append(("redis", 1 << 62))  # Redis' own maxmemory policy bounds it
-        self.capacities = capacities  # (tier, bytes the store may fill), top first
+        for tier_type in TIER_TYPES:
+            tier = tier_type.from_config(config)
+            if tier is not None:
+                self.tiers[tier.name] = tier
+                self.codecs[tier.name] = get_codec(tier.codec)
+        self.capacities = [(name, tier.fillable_bytes) for name, tier in self.tiers.items()]  # top first
         self._sizes: dict[tuple[ModelSpec, int, str, bool], int] = {}
-        self.top = capacities[0][0]
+        self.top = self.capacities[0][0]
+        # The tier that survives a restart (the index is rebuilt from it; close and
+        # write-through write it), and the one other sidecars share; None where there is none.
+        self.persistent = next((name for name, tier in self.tiers.items() if tier.persistent), None)
+        shared = [tier for tier in self.tiers.values() if tier.shared]
+        self.shared: RecordTier | None = shared[0] if shared else None  # type: ignore[assignment]
 
     def close(self) -> None:
-        for tier in list(self.record_tiers.values()) + list(self.slot_tiers.values()):
+        for tier in reversed(self.tiers.values()):  # record tiers first: their writers drain
             tier.close()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return all(tier.flush(timeout_s) for tier in self.tiers.values())
+
+    def slot(self, tier: str, key: bytes) -> torch.Tensor | None:
+        """The slot holding page `key` in a slot tier; None in a record tier (read a record)."""
+        holder = self.tiers[tier]
+        return holder.get(key) if holder.keeps_slots else None
+
+    def keeps_slots(self, tier: str) -> bool:
+        return self.tiers[tier].keeps_slots
 
     def source_tier(self, node: Node) -> str:
         for tier in self.placement.order:
@@ -101,7 +96,7 @@ class TierStack:
             nbytes = self.size_for(spec, n, tier)
             if not self.placement.make_room(tier, nbytes, namespace):
                 continue
-            if tier in self.slot_tiers:
+            if self.tiers[tier].keeps_slots:
                 slot = self.allocate(tier, key, nbytes)
                 if slot is None:
                     continue
@@ -111,22 +106,45 @@ class TierStack:
 
     def allocate(self, tier: str, key: bytes, nbytes: int) -> torch.Tensor | None:
         """A slot in a slot tier; evicts more when the slab is fragmented across page sizes."""
+        holder: SlotTier = self.tiers[tier]  # type: ignore[assignment]
         while True:
             try:
-                return self.slot_tiers[tier].allocate(key, nbytes)
+                return holder.allocate(key, nbytes)
             except TierFull:
                 if not self.placement.evict_one(tier):
                     return None
 
-    def write_through(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> threading.Event | None:
-        if "disk" in node.tiers:
+    def put_page(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
+                 payload: torch.Tensor | None = None, slot: torch.Tensor | None = None) -> WriteTicket | None:
+        """Write `node`'s page into `tier`, where room is made: encoded from `kv` (L, 2, n, H, D),
+        or `payload`, its bytes already in the tier's codec. A slot tier takes it in `slot` (one
+        is allocated here when None); a record tier gets a record. The write's ticket (a slot's
+        is set already); None when no slot could be had."""
+        if not self.tiers[tier].keeps_slots:
+            return self.tiers[tier].put(self.record(spec, node, tier, kv=kv, payload=payload))  # type: ignore[attr-defined]
+        if slot is None:
+            slot = self.allocate(tier, node.key, self.size_in(node, tier))
+            if slot is None:
+                return None
+        codec = self.codecs[tier]
+        dst = slot[:codec.encoded_bytes(spec, node.num_tokens)]
+        if payload is not None:
+            dst.copy_(payload)
+        else:
+            codec.encode(spec, kv, dst)
+        return WRITTEN
+
+    def write_through(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> WriteTicket | None:
+        """Also write a new page to the persistent tier (durability "write-through")."""
+        tier = self.persistent
+        if tier is None or tier in node.tiers:
             return None
-        nbytes = self.size_in(node, "disk")
-        if not self.placement.make_room("disk", nbytes):
+        nbytes = self.size_in(node, tier)
+        if not self.placement.make_room(tier, nbytes):
             return None
-        event = self.record_tiers["disk"].put(self.record(spec, node, "disk", kv=kv))
-        self.placement.add(node, "disk", nbytes)
-        return event
+        ticket = self.put_page(spec, node, tier, kv=kv)
+        self.placement.add(node, tier, nbytes)
+        return ticket
 
     def record(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
                 payload: torch.Tensor | None = None) -> PageRecord:
@@ -144,15 +162,13 @@ class TierStack:
     def promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> None:
         """Copy a page served by a lower tier into the top tier (under the lock)."""
         top = self.top
-        if top in node.tiers or top not in self.slot_tiers or not node.ready:
+        if top in node.tiers or not self.tiers[top].keeps_slots or not node.ready:
             return
         nbytes = self.size_in(node, top)
         if not self.placement.make_room(top, nbytes, node.namespace):
             return
-        slot = self.allocate(top, node.key, nbytes)
-        if slot is None:
+        if self.put_page(spec, node, top, kv=kv) is None:
             return
-        self.codecs[top].encode(spec, kv, slot[:self.codecs[top].encoded_bytes(spec, node.num_tokens)])
         self.placement.add(node, top, nbytes)
         self.placement.usage[top].promotions += 1
 
@@ -173,7 +189,7 @@ class TierStack:
         for node, first, used, tier, slot in reads:
             if slot is not None:
                 continue
-            batching = hasattr(self.record_tiers[tier], "read_ahead")
+            batching = self.tiers[tier].batched_reads
             if batching and answer is not None and first >= start and used == node.num_tokens:
                 landings[node.key] = self._landing(spec, node, answer, out.shape[2], first - start)  # type: ignore[arg-type, union-attr]
             if not runs or runs[-1][0] != tier or not batching:
@@ -185,11 +201,8 @@ class TierStack:
             runs[-1][1][-1].append(node.key)
             nbytes += node.tiers.get(tier, 0)
         for tier, batches in runs:
-            record_tier = self.record_tiers[tier]
-            if hasattr(record_tier, "read_ahead"):
-                yield from record_tier.read_ahead(batches, landings)
-            else:
-                yield {batches[0][0]: record_tier.get(batches[0][0])}
+            record_tier: RecordTier = self.tiers[tier]  # type: ignore[assignment]
+            yield from record_tier.read_ahead(batches, landings if record_tier.batched_reads else None)
 
     def slot_array(self, spec: ModelSpec, tier: str, slot: torch.Tensor, num_tokens: int) -> Any:
         """A slot that holds its page raw (codec "none") in host memory, as a numpy view of the
@@ -249,48 +262,38 @@ class TierStack:
         if spec is None:
             return False
         n = node.num_tokens
-        if src == "gpu" and dst in self.slot_tiers:
+        source, target = self.tiers[src], self.tiers[dst]
+        if source.encodes_on_device and target.keeps_slots:
             # Quantize on the device (when the lower tier's codec asks for it) before the
             # device->host copy: only the compact bytes cross PCIe.
             slot = self.allocate(dst, node.key, self.size_in(node, dst))
             if slot is None:
                 return False
             codec = self.codecs[dst]
-            self.slot_tiers["gpu"].copy_out(node.key, spec, n, codec, slot[:codec.encoded_bytes(spec, n)]).synchronize()
+            source.copy_out(node.key, spec, n, codec, slot[:codec.encoded_bytes(spec, n)]).synchronize()  # type: ignore[attr-defined]
             return True
-        if src in self.slot_tiers:
-            data = self.slot_tiers[src].get(node.key)[:self.codecs[src].encoded_bytes(spec, n)]
+        if source.keeps_slots:
+            data = source.get(node.key)[:self.codecs[src].encoded_bytes(spec, n)]
         else:
-            record = self.record_tiers[src].get(node.key)
+            record = source.get(node.key)
             if record is None:
                 return False
             data = byte_tensor(record.payload)
-        if self.codecs[src].name == self.codecs[dst].name and dst in self.record_tiers:
+        if self.codecs[src].name == self.codecs[dst].name:
             # Same encoding below: hand the bytes down as they are (one copy, no re-encode).
-            self.record_tiers[dst].put(self.record(spec, node, dst, payload=data.clone()))
-            return True
+            return self.put_page(spec, node, dst, payload=data.clone()) is not None
         kv = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype])  # (L, 2, n, H, D)
         self.codecs[src].decode(spec, data.cpu(), n, kv)
-        if dst in self.record_tiers:
-            self.record_tiers[dst].put(self.record(spec, node, dst, kv=kv))
-            return True
-        slot = self.allocate(dst, node.key, self.size_in(node, dst))
-        if slot is None:
-            return False
-        self.codecs[dst].encode(spec, kv, slot[:self.codecs[dst].encoded_bytes(spec, n)])
-        return True
+        return self.put_page(spec, node, dst, kv=kv) is not None
 
     def release(self, node: Node, tier: str) -> None:
-        if tier in self.slot_tiers:
-            self.slot_tiers[tier].delete(node.key)
-        else:
-            self.record_tiers[tier].delete(node.key)
+        self.tiers[tier].delete(node.key)
 
     # -- sizes ---------------------------------------------------------------------------
     def size_in(self, node: Node, tier: str) -> int:
         spec = self.registry.specs_by_namespace.get(node.namespace)
         if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
-            return node.tiers.get(tier, 1 << 62)
+            return node.tiers.get(tier, UNBOUNDED_BYTES)
         return self.size_for(spec, node.num_tokens, tier)
 
     def raw_size_in(self, node: Node, tier: str) -> int:
@@ -306,30 +309,29 @@ class TierStack:
         size = self._sizes.get(key)
         if size is None:
             codec = get_codec("none") if raw else self.codecs[tier]
-            if tier in self.slot_tiers:
-                # Slots are sized for a full page, so tail pages and full pages share slots.
-                size = self.slot_tiers[tier].slot_bytes(codec.encoded_bytes(spec, spec.page_size))
-            else:
-                size = disk_record_cost(codec.encoded_bytes(spec, num_tokens), num_tokens)
-            self._sizes[key] = size
+            size = self._sizes[key] = self.tiers[tier].cost_bytes(spec, codec, num_tokens)
         return size
 
     def save_memory_pages(self, index: PageIndex) -> None:
-        """Copy pages held only in memory tiers down to disk, parents first, while room lasts."""
+        """Copy pages held only in memory tiers down to the persistent tier, parents first,
+        while room lasts."""
+        tier = self.persistent
+        if tier is None:
+            return
         saved = 0
         for node in sorted(index.nodes.values(), key=lambda n: n.depth):
-            if "disk" in node.tiers or not node.ready:
+            if tier in node.tiers or not node.ready:
                 continue
-            if node.parent is not None and not node.parent.is_root and "disk" not in node.parent.tiers:
+            if node.parent is not None and not node.parent.is_root and tier not in node.parent.tiers:
                 continue  # its parent did not make it: the page could not be matched after restart
-            nbytes = self.size_in(node, "disk")
-            if not self.placement.fits("disk", nbytes):
+            nbytes = self.size_in(node, tier)
+            if not self.placement.fits(tier, nbytes):
                 continue  # closing must not evict older disk pages for newer memory ones
-            if self.copy_down(node, self.source_tier(node), "disk"):
-                self.placement.add(node, "disk", nbytes)
+            if self.copy_down(node, self.source_tier(node), tier):
+                self.placement.add(node, tier, nbytes)
                 saved += 1
         if saved:
-            log.info("close: %d memory-only pages written to disk", saved)
+            log.info("close: %d memory-only pages written to %s", saved, tier)
 
 
 def _describes(spec: ModelSpec, node: Node, record: PageRecord) -> bool:

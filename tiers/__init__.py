@@ -1,1 +1,1 @@
-"""Tiers: dumb page stores (gpu, cpu, disk, redis) behind two small protocols in `kvstore.tiers.base`."""
+"""Tiers: dumb page stores (gpu, cpu, disk, redis) behind one interface, `kvstore.tiers.base`."""

@@ -20,15 +20,18 @@ import os
 import queue
 import shutil
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import lmdb
 import zstandard
 
-from kvstore.tiers.base import PageRecord
+from kvstore.tiers.base import PageRecord, RecordTier, WriteTicket
 from kvstore.tiers.disk_open import open_environment
 from kvstore.tiers.disk_record import (CorruptRecord, decode_header, encode_header, header_to_record,
                                payload_checksum)
+
+if TYPE_CHECKING:
+    from kvstore.config import StoreConfig
 
 log = logging.getLogger("kvstore.disk")
 
@@ -36,6 +39,8 @@ INITIAL_MAP_BYTES = 64 << 20
 _DELETE = object()
 _STOP = object()
 MAX_BATCH_BYTES = 64 << 20
+DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
+LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
 
 
 class _ReadWriteLock:
@@ -70,22 +75,18 @@ class _ReadWriteLock:
             self._cond.notify_all()
 
 
-class WriteTicket(threading.Event):
-    """Set once a put's batch is committed or has failed; `ok` says which (a full disk)."""
-
-    ok = True
-
-
-class DiskTier:
+class DiskTier(RecordTier):
     name = "disk"
+    persistent = True
 
     def __init__(self, path: str, capacity_bytes: int, *, compression: str = "none",
-                 zstd_level: int = 1, sync: bool = False, queue_pages: int = 256):
+                 zstd_level: int = 1, sync: bool = False, queue_pages: int = 256, codec: str = "none"):
         if capacity_bytes <= 0:
             raise ValueError(f"disk_bytes: must be > 0 for a disk tier, got {capacity_bytes}")
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity_bytes = capacity_bytes
+        self.codec = codec
         self.compression = compression
         self._zstd_level = zstd_level
         self._map_bytes = min(capacity_bytes, INITIAL_MAP_BYTES)
@@ -115,11 +116,25 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
         self._writer.start()
 
+    @classmethod
+    def from_config(cls, config: "StoreConfig") -> "DiskTier | None":
+        if not config.disk_bytes:
+            return None
+        return cls(os.path.join(config.data_dir, "pages"), config.disk_bytes,  # type: ignore[arg-type]
+                   compression=config.disk_compression, zstd_level=config.zstd_level,
+                   sync=config.durability == "write-through", queue_pages=config.disk_writer_queue,
+                   codec=config.disk_codec)
+
+    @property
+    def fillable_bytes(self) -> int:
+        # Of the tier's capacity, not disk_bytes: it is smaller on a filesystem with less room.
+        return max(0, int(self.capacity_bytes * DISK_FILL_FRACTION) - LMDB_RESERVED_BYTES)
+
     def _entries(self) -> int:
         with self.env.begin(db=self._meta) as txn:
             return txn.stat(self._meta)["entries"]
 
-    # -- the protocol ------------------------------------------------------------------------
+    # -- the tier interface (tiers/base.py RecordTier) -----------------------------------------
     def put(self, record: PageRecord) -> "WriteTicket":
         done = WriteTicket()
         with self._pending_lock:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.codecs import Codec, as_kv
-from kvstore.config import ModelSpec
+from kvstore.config import ModelSpec, StoreConfig
 from kvstore.tiers.slots import SlotBufferTier
 
 SLOT_ALIGN_BYTES = 256  # every slot starts 256-byte aligned: 16-byte vector loads in the kernels
@@ -45,6 +45,7 @@ def _unavailable_reason(device: torch.device) -> str | None:
 class GPUTier(SlotBufferTier):
     name = "gpu"
     align_bytes = SLOT_ALIGN_BYTES
+    encodes_on_device = True  # copy_out quantizes before the device->host copy
 
     def __init__(self, capacity_bytes: int, *, device: str | int | torch.device = "cuda"):
         if isinstance(device, int):
@@ -67,7 +68,12 @@ class GPUTier(SlotBufferTier):
         self._pending: dict[bytes, torch.cuda.Event] = {}  # key -> last copy on self.stream touching it
         super().__init__(capacity_bytes)
 
-    # -- slot protocol (tiers.base.SlotTier): get/delete/close wait on copies in flight --------
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> "GPUTier | None":
+        """Raises GPUUnavailable (a clear message) where gpu_bytes asks for a GPU there is not."""
+        return cls(config.gpu_bytes) if config.gpu_bytes else None
+
+    # -- slot interface (tiers.base.SlotTier): get/delete/close wait on copies in flight --------
     def get(self, key: bytes) -> torch.Tensor | None:
         """The slot's bytes; work queued on the caller's current stream sees a promotion's result."""
         slot = self._slots.get(key)

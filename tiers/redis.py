@@ -35,7 +35,7 @@ import torch
 import zstandard
 
 from kvstore.config import StoreConfig
-from kvstore.tiers.base import PageRecord
+from kvstore.tiers.base import UNBOUNDED_BYTES, PageRecord, RecordTier, WriteTicket
 from kvstore.tiers.disk_record import CorruptRecord
 from kvstore.tiers.redis_conn import FAULTS, LOG_EVERY_S, Breaker, is_cluster_url, make_client
 from kvstore.tiers.redis_landing import Landing, receive_record
@@ -54,9 +54,11 @@ CLOSE_FLUSH_S = 5.0
 READ_AHEAD = 2  # batches of one fetch whose GETs are on the wire at once
 
 
-class RedisTier:
+class RedisTier(RecordTier):
     name = "redis"
-    capacity_bytes = 1 << 62  # Redis' maxmemory bounds it, not the store
+    shared = True
+    batched_reads = True
+    capacity_bytes = UNBOUNDED_BYTES  # Redis' maxmemory bounds it, not the store
 
     def __init__(self, config: StoreConfig) -> None:
         assert config.redis_url, "RedisTier needs StoreConfig.redis_url"
@@ -77,15 +79,21 @@ class RedisTier:
         self._refused_unlogged = 0
         self.missing_pages = 0  # GETs of pages believed held that Redis no longer had (evicted, expired)
         self._writer = WriteBehind(self._send, self._breaker, self._lost, MAX_QUEUED_BYTES)
+        self.codec = config.disk_codec  # the disk's: a page demoted from disk goes down as it is
 
-    # -- the protocol ------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> "RedisTier | None":
+        return cls(config) if config.redis_url else None
+
+    # -- the tier interface (tiers/base.py RecordTier) -----------------------------------------
     @property
     def available(self) -> bool:
         """False while the breaker skips Redis after a failure (calls answer misses at once)."""
         return self._breaker.available
 
-    def put(self, record: PageRecord) -> threading.Event:
-        """Queue the record for Redis; never blocks. The event is set once it was sent or lost."""
+    def put(self, record: PageRecord) -> WriteTicket:
+        """Queue the record for Redis; never blocks. The ticket is set once it was sent or lost
+        (a loss is reported through take_failed, not the ticket)."""
         return self._writer.put(record)
 
     def delete(self, key: bytes) -> bool:

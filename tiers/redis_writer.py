@@ -18,7 +18,7 @@ import queue
 import threading
 from typing import Callable, Union
 
-from kvstore.tiers.base import PageRecord
+from kvstore.tiers.base import PageRecord, WriteTicket
 from kvstore.tiers.redis_conn import FAULTS, Breaker
 
 log = logging.getLogger("kvstore.redis")
@@ -56,9 +56,9 @@ class WriteBehind:
         with self._lock:
             return self._pending.get(key)
 
-    def put(self, record: PageRecord) -> threading.Event:
-        """Queue a SET; the event is set once it was sent or given up (never blocks)."""
-        done = threading.Event()
+    def put(self, record: PageRecord) -> WriteTicket:
+        """Queue a SET; the ticket is set once it was sent or given up (never blocks)."""
+        done = WriteTicket()
         nbytes = _nbytes(record)
         with self._lock:
             refuse = not self._breaker.available or self._queued_bytes + nbytes > self._max_queued_bytes

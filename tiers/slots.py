@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.tiers.base import TierFull
+from kvstore.tiers.base import SlotTier, TierFull
 
 
 class SlotMap:
@@ -73,12 +73,11 @@ class SlotMap:
         self.used_bytes = 0
 
 
-class SlotBufferTier:
+class SlotBufferTier(SlotTier):
     """The part of a slot tier that is the same on every device: a preallocated uint8 `buffer`
     carved by a `SlotMap`. Subclasses set `name` and `align_bytes`, allocate `buffer`, and add
     what their device needs (the GPU tier: stream-ordered copies)."""
 
-    name: str
     align_bytes: int
     buffer: torch.Tensor
 
