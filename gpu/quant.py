@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 
 from kvstore.gpu import runtime
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES
 
 FORMATS = ("int8", "fp8")
 QMAX = {"int8": 127.0, "fp8": 448.0}
 Q_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16
-KV_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _WARPS_PER_BLOCK = 8
 
 
@@ -38,7 +38,7 @@ def _check_format(fmt: str) -> None:
 
 
 def _check_kv_dtype(dtype: torch.dtype, name: str) -> None:
-    if dtype not in KV_DTYPES:
+    if dtype not in KV_DTYPE_NAMES:
         raise ValueError(f"{name}: dtype must be float16, bfloat16 or float32, got {dtype}")
 
 
@@ -102,7 +102,7 @@ def _launch(kind: str, fmt: str, dtype: torch.dtype, device: torch.device, rows:
     if rows == 0:
         return
     blocks = (rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK
-    runtime.launch(f"{kind}_{fmt}_{KV_DTYPES[dtype]}_v{vec}", device, (blocks, 1, 1), (32 * _WARPS_PER_BLOCK, 1, 1),
+    runtime.launch(f"{kind}_{fmt}_{KV_DTYPE_NAMES[dtype]}_v{vec}", device, (blocks, 1, 1), (32 * _WARPS_PER_BLOCK, 1, 1),
                    (*(runtime.ptr(a) for a in args), runtime.i64(rows), runtime.i32(D)))
 
 

@@ -21,11 +21,11 @@ from typing import Any, Mapping
 import torch
 
 from kvstore.gpu import runtime
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES
 
 STYLES = ("neox", "gptj")
 SHIFT_INVARIANT_SCALINGS = ("default", "linear", "llama3")
 _THREADS = 128
-_KV_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_GRID_Y = 65535
 
 
@@ -40,7 +40,8 @@ def _scaling_kind(rope_scaling: Mapping[str, Any] | None) -> str:
 
 
 def inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
-    """(head_dim // 2,) float32 rotation frequencies, as HF transformers computes them."""
+    """(head_dim // 2,) float32 rotation frequencies, as HF transformers computes them: the one
+    implementation, shared by the decode loop's RoPE (decode/rope.py) and re-rotation here."""
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim: RoPE needs an even head_dim >= 2, got {head_dim}")
     kind = _scaling_kind(rope_scaling)
@@ -48,7 +49,10 @@ def inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None
         raise RopeScalingUnsupported(
             f"rope_scaling: {kind!r} RoPE is not a pure position shift (it depends on the sequence length "
             f"or rescales cos/sin), so cached K cannot be re-rotated; supported: {', '.join(SHIFT_INVARIANT_SCALINGS)}")
-    freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (D/2,)
+    # On the CPU whatever the default device: a decode model built on the meta device keeps real
+    # frequencies (callers move them where the rotation runs).
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    freq = 1.0 / (theta ** exponents)  # (D/2,)
     if kind == "linear":
         freq = freq / float(rope_scaling["factor"])  # type: ignore[index]
     elif kind == "llama3":
@@ -89,7 +93,7 @@ def _positions(value: int | torch.Tensor, T: int, device: torch.device, name: st
 def _check(x: torch.Tensor, style: str, name: str) -> None:
     if style not in STYLES:
         raise ValueError(f"style: must be one of {', '.join(STYLES)}; got {style!r}")
-    if x.dtype not in _KV_DTYPES:
+    if x.dtype not in KV_DTYPE_NAMES:
         raise ValueError(f"{name}: dtype must be float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 3:
         raise ValueError(f"{name}: expected (..., T, H, D), got shape {tuple(x.shape)}")
@@ -156,7 +160,7 @@ def rope_rerotate(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, s
     blocks_x = (T * H + rpb - 1) // rpb
     for b0 in range(0, B, _MAX_GRID_Y):  # grid.y is limited; a (L, T, H, D) K never reaches it
         b1 = min(B, b0 + _MAX_GRID_Y)
-        runtime.launch(f"rope_rerotate_{_KV_DTYPES[k.dtype]}", k.device, (blocks_x, b1 - b0, 1), (tpr, rpb, 1),
+        runtime.launch(f"rope_rerotate_{KV_DTYPE_NAMES[k.dtype]}", k.device, (blocks_x, b1 - b0, 1), (tpr, rpb, 1),
                        (runtime.ptr(src[b0]), runtime.ptr(dst[b0]), runtime.i64(src.stride(0)), runtime.i64(dst.stride(0)),
                         runtime.i32(T), runtime.i32(H), runtime.i32(D), runtime.ptr(cos), runtime.ptr(sin),
                         runtime.i32(int(style == "neox"))))

@@ -16,8 +16,7 @@ import torch
 
 from kvstore.config import ModelSpec
 from kvstore.copy import copy_into
-
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from kvstore.gpu.dtypes import KV_DTYPES as TORCH_DTYPES  # name -> torch dtype of a page's KV
 
 
 class Codec(Protocol):

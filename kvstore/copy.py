@@ -11,15 +11,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvstore.gpu.dtypes import KV_DTYPES
+
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Dtypes numpy holds as they are; numpy copies same-dtype arrays as raw bytes, so a view as an
 # integer type (a third of a small page's copy time, in torch's per-call overhead) is not needed.
 _NUMPY_NATIVE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64}
 
 
+
+
+def _numpy_view_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype `host_array` gives a CPU tensor of `dtype`."""
+    return torch.empty(0, dtype=dtype if dtype in _NUMPY_NATIVE else _SAME_WIDTH_INT[dtype.itemsize]).numpy().dtype
+
+
 # The numpy dtype `host_array` gives a tensor of each model dtype (ModelSpec.dtype): bfloat16,
 # which numpy lacks, as its bits (int16), so copies stay bit-exact.
-NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.int16}
+NUMPY_DTYPES: dict[str, np.dtype] = {name: _numpy_view_dtype(dtype) for name, dtype in KV_DTYPES.items()}
 
 
 def host_array(t: torch.Tensor) -> np.ndarray | None:

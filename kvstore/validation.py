@@ -15,6 +15,7 @@ import torch
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidRequest, InvalidStart, InvalidTokens
+from kvstore.index import TOKEN_BYTES
 from kvstore.keys import MAX_TOKEN_ID
 
 _INT32_LE = np.dtype("<i4")
@@ -139,7 +140,7 @@ def check_chunks(chunks: Any, *, max_tokens: int) -> list[bytes]:
     for i, tb in enumerate(out):
         if not tb:
             raise InvalidTokens(f"chunks[{i}]: a chunk must hold at least one token", field="chunks")
-    if sum(map(len, out)) // 4 > max_tokens:
+    if sum(map(len, out)) // TOKEN_BYTES > max_tokens:
         raise InvalidTokens(f"chunks: more than {max_tokens} tokens in all", field="chunks")
     return out
 

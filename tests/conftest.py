@@ -39,9 +39,3 @@ def make_store(tmp_path):
     yield make
     for store in stores:
         store.close()
-
-
-def random_kv(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[spec.dtype]
-    return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(dtype)  # (L, 2, T, H, D)

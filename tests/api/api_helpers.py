@@ -12,21 +12,16 @@ import msgpack
 import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from kv_tensors import random_kv as random_kv  # the sidecar tests take it from here
 
 from kvstore.api.app import create_app
 from kvstore.api.config import ServerConfig
 from kvstore.api.connection_limit import ConnectionLimitedSite
 from kvstore.api.server import listen_socket
-from kvstore import KVStore, ModelSpec
+from kvstore import KVStore
 
 MAX_BODY_BYTES = 1 << 20
 MSGPACK = {"Content-Type": "application/msgpack", "Accept": "application/msgpack"}
-
-
-def random_kv(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[spec.dtype]
-    return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(dtype)  # (L, 2, T, H, D)
 
 
 def kv_bin(kv: torch.Tensor) -> bytes:

@@ -27,6 +27,14 @@ def test_bad_spec_names_field(field, value):
         ModelSpec(**kwargs)
 
 
+def test_spec_dtypes_are_the_kv_dtypes_of_the_store_and_kernels():
+    # config.py names the dtypes without torch; the torch table (kvstore.gpu.dtypes) must agree.
+    from kvstore.config import DTYPE_BYTES
+    from kvstore.gpu.dtypes import KV_DTYPES
+
+    assert {name: dtype.itemsize for name, dtype in KV_DTYPES.items()} == DTYPE_BYTES
+
+
 def test_rope_scaling_is_frozen_and_round_trips():
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from kv_tensors import random_kv
 
 from kvstore import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidStart, InvalidTokens, ModelConflict, ModelNotFound
-from tests.conftest import random_kv
 
 
 def test_store_then_fetch_is_bit_exact(make_store, spec):

@@ -1,9 +1,9 @@
 """Per-tier codecs through the store: capacity gained, error bounded, bytes saved reported."""
 import pytest
 import torch
+from kv_tensors import random_kv
 
 from kvstore import ModelSpec
-from tests.conftest import random_kv
 
 
 @pytest.fixture

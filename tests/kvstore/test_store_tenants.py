@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_tensors import random_kv
 
 from kvstore import ModelSpec
-from tests.conftest import random_kv
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=4)
 

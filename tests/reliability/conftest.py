@@ -1,8 +1,5 @@
-"""Make the repository root importable: the scenarios live in `bench/reliability` (not installed)."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+"""The reliability scenarios (bench/reliability, importable through pytest's `pythonpath`): their
+full-size variants run only when asked for."""
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,10 +15,10 @@ from typing import Callable
 
 import pytest
 import torch
+from kv_tensors import random_kv
 from redis_helpers import RedisServer, free_port
 
 from kvstore.api.client import KVStoreClient
-from kvstore import ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
@@ -49,11 +49,6 @@ class Sidecar:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-
-
-def random_kv(spec: ModelSpec, num_tokens: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(torch.float16)  # (L, 2, T, H, D)
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 import torch
+from kv_tensors import random_kv
 from redis_helpers import RedisServer
 
 import kvstore.tier_stack
@@ -16,11 +17,6 @@ from kvstore.tiers.base import PageRecord
 from kvstore.tiers.redis_record import encode_value
 
 PREFIX = b"kvstore:"
-
-
-def random_kv(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(torch.float16)  # (L, 2, T, H, D)
 
 
 def pair(make: Callable[..., KVStore], spec: ModelSpec, **overrides) -> tuple[KVStore, KVStore]:
