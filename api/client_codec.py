@@ -20,29 +20,34 @@ from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import DTYPE_BYTES, ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
+from kvstore.keys import MAX_TOKEN_ID
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
+from kvstore.store import MAX_TOKENS
+from kvstore.validation import token_bytes
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
-_INT32_MAX = (1 << 31) - 1
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 Parts = list[Any]  # bytes-like parts, sent back to back
 
 
 def tokens_bin(tokens: Any) -> memoryview:
-    """A sequence of ints or a 1-D int tensor/array -> little-endian int32 bytes."""
+    """Token ids -> little-endian int32 bytes: a 1-D integer tensor/array by numpy (no copy when
+    it is int32 already), any other sequence as the in-process store takes it (kvstore/
+    validation.py: ints, or integer scalars of numpy or torch; never bools or floats)."""
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype="<i4")
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}", field="tokens")
-    value_bits = arr.dtype.itemsize * 8 - (arr.dtype.kind == "i")  # int32: 31, uint32: 32
+    if not isinstance(tokens, np.ndarray):
+        return memoryview(token_bytes(tokens, max_tokens=MAX_TOKENS)).cast("B")
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {tokens.dtype} of shape {tokens.shape}", field="tokens")
+    value_bits = tokens.dtype.itemsize * 8 - (tokens.dtype.kind == "i")  # int32: 31, uint32: 32
     # int32 and narrower cannot go past the top of the range: one reduction per call, not two.
-    if arr.size and (int(arr.min()) < 0 or (value_bits > 31 and int(arr.max()) > _INT32_MAX)):
-        raise InvalidTokens(f"tokens: ids must be in [0, {_INT32_MAX}]", field="tokens")
-    return memoryview(np.ascontiguousarray(arr, dtype="<i4")).cast("B")
+    if tokens.size and (int(tokens.min()) < 0 or (value_bits > 31 and int(tokens.max()) > MAX_TOKEN_ID)):
+        raise InvalidTokens(f"tokens: ids must be in [0, {MAX_TOKEN_ID}]", field="tokens")
+    return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
 
 
 def kv_bytes(kv: Any) -> tuple[memoryview, str]:

@@ -5,6 +5,7 @@ anything is stored (so bad input never leaves part of a page behind).
 """
 from __future__ import annotations
 
+import operator
 import re
 from array import array
 from typing import Any
@@ -42,32 +43,56 @@ def token_bytes(tokens: Any, *, max_tokens: int, field: str = "tokens") -> bytes
         if tokens.size and int(tokens.min()) < 0:
             raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
         return tokens.tobytes()
-    if isinstance(tokens, np.ndarray) and not tokens.dtype.isnative:
-        tokens = tokens.astype(tokens.dtype.newbyteorder("="))  # torch takes native byte order only
-    if isinstance(tokens, torch.Tensor) or hasattr(tokens, "__array_interface__"):
-        t = torch.as_tensor(tokens)
-        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {t.dtype} of shape {tuple(t.shape)}", field=field)
-        if t.numel() > max_tokens:
-            raise InvalidTokens(f"{field}: {t.numel()} tokens exceeds the limit of {max_tokens}", field=field)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) > MAX_TOKEN_ID):
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {tokens.dtype} of shape "
+                                f"{tuple(tokens.shape)}", field=field)
+        # Checked by numpy, which reduces every integer type (torch has no min of uint16-64).
+        tokens = tokens.detach().cpu().numpy()
+    elif hasattr(tokens, "__array_interface__") and not isinstance(tokens, np.ndarray):
+        tokens = np.asarray(tokens)
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {tokens.dtype} of shape {tokens.shape}",
+                                field=field)
+        if tokens.size > max_tokens:
+            raise InvalidTokens(f"{field}: {tokens.size} tokens exceeds the limit of {max_tokens}", field=field)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
             raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
-        return t.to(device="cpu", dtype=torch.int32).contiguous().numpy().tobytes()
+        return np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
     try:
         n = len(tokens)
     except TypeError:
         raise InvalidTokens(f"{field}: expected a list of integer token ids, got {type(tokens).__name__}", field=field) from None
     if n > max_tokens:
         raise InvalidTokens(f"{field}: {n} tokens exceeds the limit of {max_tokens}", field=field)
-    if not set(map(type, tokens)) <= {int}:  # one C-speed pass; bools and floats are refused
-        raise InvalidTokens(f"{field}: every token id must be an integer", field=field)
+    types = set(map(type, tokens))  # one C-speed pass
+    if not types <= {int}:  # numpy or torch integer scalars, say: the slow path, off the common one
+        tokens = _indexes(tokens, types, field)
     try:
         arr = array("i", tokens)
     except OverflowError:
         raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field) from None
-    if n and min(arr) < 0:
-        raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}], got {min(arr)}", field=field)
+    lowest = int(np.frombuffer(arr, dtype=np.intc).min()) if n else 0  # numpy's min: builtin min() boxes every id
+    if lowest < 0:
+        raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}], got {lowest}", field=field)
     return arr.tobytes()
+
+
+def _indexes(tokens: Any, types: set[type], field: str) -> list[int]:
+    """Token ids that are not all Python ints as ints: anything `operator.index` takes (numpy and
+    torch integer scalars, one-element integer tensors) but bools (True is not a token id)."""
+    refused = InvalidTokens(f"{field}: every token id must be an integer", field=field)
+    if any(issubclass(t, (bool, np.bool_)) for t in types):
+        raise refused
+    try:
+        ids = list(map(operator.index, tokens))  # floats, strings and None raise TypeError
+    except TypeError:
+        raise refused from None
+    if any(issubclass(t, torch.Tensor) for t in types) and any(
+            isinstance(tok, torch.Tensor) and tok.dtype == torch.bool for tok in tokens):
+        raise refused  # operator.index takes a bool tensor as 0 or 1
+    return ids
 
 
 def check_start(start: Any, num_tokens: int) -> int:
