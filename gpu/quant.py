@@ -102,8 +102,8 @@ def _launch(kind: str, fmt: str, dtype: torch.dtype, device: torch.device, rows:
     if rows == 0:
         return
     blocks = (rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK
-    runtime.launch(f"{kind}_{fmt}_{KV_DTYPE_NAMES[dtype]}_v{vec}", device, (blocks, 1, 1), (32 * _WARPS_PER_BLOCK, 1, 1),
-                   (*(runtime.ptr(a) for a in args), runtime.i64(rows), runtime.i32(D)))
+    runtime.launch(f"{kind}_{fmt}_{KV_DTYPE_NAMES[dtype]}_v{vec}", device, (blocks, 1, 1),
+                   (32 * _WARPS_PER_BLOCK, 1, 1), (*(runtime.ptr(a) for a in args), runtime.i64(rows), runtime.i32(D)))
 
 
 def quantize(x: torch.Tensor, fmt: str, *, q_out: torch.Tensor | None = None,
@@ -143,7 +143,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtyp
     if scale.dtype != SCALE_DTYPE:
         raise ValueError(f"scale: expected {SCALE_DTYPE}, got {scale.dtype}")
     if tuple(scale.shape) != tuple(q.shape[:-1]) or scale.device != q.device:
-        raise ValueError(f"scale: expected {tuple(q.shape[:-1])} on {q.device}, got {tuple(scale.shape)} on {scale.device}")
+        raise ValueError(f"scale: expected {tuple(q.shape[:-1])} on {q.device}, "
+                         f"got {tuple(scale.shape)} on {scale.device}")
     scale = scale.contiguous()
     x = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
     _check_out(x, tuple(q.shape), q.device, "out")

@@ -145,7 +145,8 @@ def rope_rerotate(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, s
     if out is None:
         out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (..., T, H, D)
     elif tuple(out.shape) != tuple(k.shape) or out.dtype != k.dtype or out.device != k.device:
-        raise ValueError(f"out: expected {tuple(k.shape)} {k.dtype} on {k.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        raise ValueError(f"out: expected {tuple(k.shape)} {k.dtype} on {k.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     src, dst = _batched(k), _batched(out)
     if dst is None:
         raise ValueError("out: its (T, H, D) block must be contiguous with leading dims of one stride")
@@ -161,7 +162,8 @@ def rope_rerotate(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, s
     for b0 in range(0, B, _MAX_GRID_Y):  # grid.y is limited; a (L, T, H, D) K never reaches it
         b1 = min(B, b0 + _MAX_GRID_Y)
         runtime.launch(f"rope_rerotate_{KV_DTYPE_NAMES[k.dtype]}", k.device, (blocks_x, b1 - b0, 1), (tpr, rpb, 1),
-                       (runtime.ptr(src[b0]), runtime.ptr(dst[b0]), runtime.i64(src.stride(0)), runtime.i64(dst.stride(0)),
+                       (runtime.ptr(src[b0]), runtime.ptr(dst[b0]),
+                        runtime.i64(src.stride(0)), runtime.i64(dst.stride(0)),
                         runtime.i32(T), runtime.i32(H), runtime.i32(D), runtime.ptr(cos), runtime.ptr(sin),
                         runtime.i32(int(style == "neox"))))
     return out

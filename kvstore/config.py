@@ -77,7 +77,8 @@ class ModelSpec:
                 raise ValueError(f"rope_scaling: expected a mapping, got {self.rope_scaling!r}") from None
             kind = dict(scaling).get("rope_type", dict(scaling).get("type"))
             if kind not in ROPE_SCALING_TYPES:
-                raise ValueError(f"rope_scaling.rope_type: must be one of {', '.join(ROPE_SCALING_TYPES)}; got {kind!r}")
+                raise ValueError(f"rope_scaling.rope_type: must be one of {', '.join(ROPE_SCALING_TYPES)}; "
+                                 f"got {kind!r}")
             object.__setattr__(self, "rope_scaling", scaling or None)
 
     @property
@@ -171,7 +172,8 @@ class StoreConfig:
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes"):
             check_int(name, getattr(self, name), 0)
         if 0 < self.disk_bytes < MIN_DISK_BYTES:
-            raise ValueError(f"disk_bytes: must be 0 (no disk tier) or >= {MIN_DISK_BYTES} (1MiB), got {self.disk_bytes}")
+            raise ValueError(f"disk_bytes: must be 0 (no disk tier) or >= {MIN_DISK_BYTES} (1MiB), "
+                             f"got {self.disk_bytes}")
         _check_choice("cpu_codec", self.cpu_codec, CODECS)
         _check_choice("disk_codec", self.disk_codec, CODECS)
         _check_choice("disk_compression", self.disk_compression, COMPRESSIONS)
@@ -186,7 +188,8 @@ class StoreConfig:
         if self.durability == "write-through" and not self.disk_bytes:
             raise ValueError("durability: write-through needs a disk tier (disk_bytes > 0)")
         if not (self.cpu_bytes or self.gpu_bytes or self.disk_bytes or self.redis_url):
-            raise ValueError("cpu_bytes: at least one tier must have capacity (cpu_bytes, gpu_bytes, disk_bytes or redis_url)")
+            raise ValueError("cpu_bytes: at least one tier must have capacity "
+                             "(cpu_bytes, gpu_bytes, disk_bytes or redis_url)")
         if not (isinstance(self.redis_timeout_s, (int, float)) and 0 < self.redis_timeout_s <= 60):
             raise ValueError(f"redis_timeout_s: must be in (0, 60], got {self.redis_timeout_s!r}")
         if self.redis_ttl_s is not None:

@@ -16,7 +16,8 @@ from kvstore.gpu.dtypes import KV_DTYPES
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Dtypes numpy holds as they are; numpy copies same-dtype arrays as raw bytes, so a view as an
 # integer type (a third of a small page's copy time, in torch's per-call overhead) is not needed.
-_NUMPY_NATIVE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64}
+_NUMPY_NATIVE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64}
 
 
 

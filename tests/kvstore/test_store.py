@@ -226,7 +226,8 @@ def test_pinned_pages_are_never_evicted(make_store, spec):
     store.register_model("m", spec)
     kv = random_kv(spec, 8)
     store.store("m", list(range(8)), kv)
-    node = store._index.match(store._model("m", None).namespace, torch.arange(8, dtype=torch.int32).numpy().tobytes(), 4).path
+    tokens = torch.arange(8, dtype=torch.int32).numpy().tobytes()
+    node = store._index.match(store._model("m", None).namespace, tokens, 4).path
     for page in node:
         store._placement.pin(page)
     with pytest.raises(Exception, match="no tier has room"):

@@ -31,7 +31,8 @@ class Sidecar:
         env = {**os.environ, "PYTHONPATH": str(REPO), "KVSTORE_REDIS_URL": redis_url}  # env maps onto the config too
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.cli", "serve", "--data-dir", str(data_dir), "--port", str(self.port),
-             "--cpu-bytes", "16MiB", "--disk-bytes", "64MiB", "--redis-timeout-s", "0.3", "--auth-file", str(auth_file)],
+             "--cpu-bytes", "16MiB", "--disk-bytes", "64MiB", "--redis-timeout-s", "0.3",
+             "--auth-file", str(auth_file)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
     def wait_ready(self) -> None:

@@ -114,8 +114,10 @@ def test_corrupt_forged_and_evicted_shared_pages_are_misses(make_sidecar_store, 
     assert b.flush(5) and not r.exists(PREFIX + keys[1])
     # Page 1 forged: a valid record under the right key but for other tokens (a collision).
     forged = PageRecord(namespace=namespace_key("m", spec.fingerprint), key=keys[0],
-                        parent=namespace_key("m", spec.fingerprint), tokens=torch.tensor([9, 9, 9, 9], dtype=torch.int32).numpy().tobytes(),
-                        codec="none", dtype="float16", shape=spec.kv_shape(4), payload=random_kv(spec, 4, seed=9).view(torch.uint8).flatten())
+                        parent=namespace_key("m", spec.fingerprint),
+                        tokens=torch.tensor([9, 9, 9, 9], dtype=torch.int32).numpy().tobytes(),
+                        codec="none", dtype="float16", shape=spec.kv_shape(4),
+                        payload=random_kv(spec, 4, seed=9).view(torch.uint8).flatten())
     r.set(PREFIX + keys[0], encode_value(forged, None))
     c = make_sidecar_store("c")
     c.register_model("m", spec)

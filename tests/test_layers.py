@@ -1,0 +1,152 @@
+"""The import layers, read from the source with `ast` (nothing is imported, so a missing optional
+dependency cannot hide a violation). Every import statement counts, at module level or inside a
+function, except where a rule names its exception.
+
+- tiers/ never imports the store, its tier stack, placement or the policies: tiers stay dumb, and
+  placement, eviction, promotion and demotion live once, in the store (docs/design.md).
+- gpu/ is a leaf: it imports torch and itself, nothing else of kvstore.
+- kvstore's core (kvstore/*.py but the CLI) imports no aiohttp, kvstore.api or kvstore.decode: an
+  embedder gets the store without the sidecar or the decode loop. The one exception is the
+  package's lazy public names (`from kvstore import KVStoreClient`, inside `__getattr__`).
+- Only the CLI (kvstore/cli.py) imports the server, the client and the decode loop together.
+
+`make lint` runs this file before the test suite.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Each installed package and the repository folder it comes from (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"kvstore": "kvstore", "kvstore.api": "api", "kvstore.tiers": "tiers", "kvstore.gpu": "gpu",
+                "kvstore.decode": "decode"}
+CLI = "kvstore/cli.py"
+STORE_SIDE = re.compile(r"^kvstore\.(store(_\w+)?|tier_stack|placement|polic(y|ies)(_\w+)?|shadow)$")
+SERVER = re.compile(r"^kvstore\.api\.(server|app|create_app)$")
+CLIENT = re.compile(r"^kvstore\.(api\.client|(api\.)?(Async)?KVStoreClient)$")
+DECODE = re.compile(r"^kvstore\.decode(\.\w+)?$")
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str  # the importing file, relative to the repository
+    line: int
+    module: str  # the module imported, absolute (a name taken from a package counts as its submodule)
+    in_function: bool
+
+
+def module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(REPO).with_suffix("").parts
+    package = next(p for p, d in PACKAGE_DIRS.items() if d == folder)
+    parts = [package, *rest]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[Import]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    own = module_name(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inside = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+    rel = str(path.relative_to(REPO))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from kvstore.api import client` imports the module kvstore.api.client.
+            modules = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        found += [Import(rel, node.lineno, m, id(node) in inside) for m in modules]
+    return found
+
+
+def sources(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (REPO / folder).rglob("*.py"))
+
+
+def violations(paths: list[Path], forbidden, allowed=lambda imp: False) -> list[str]:
+    """'file:line imports module' for each import `forbidden(module)` refuses, one per statement."""
+    found: dict[tuple[str, int], str] = {}
+    for path in paths:
+        for imp in imports_of(path):
+            if forbidden(imp.module) and not allowed(imp):
+                found.setdefault((imp.path, imp.line), f"{imp.path}:{imp.line} imports {imp.module}")
+    return list(found.values())
+
+
+def _tiers_forbidden(module: str) -> bool:
+    return bool(STORE_SIDE.match(module)) or module == "kvstore.KVStore"
+
+
+def test_tiers_never_import_the_store_placement_or_policies() -> None:
+    found = violations(sources("tiers"), _tiers_forbidden)
+    assert not found, "tiers/ must not import the store, placement or policies:\n" + "\n".join(found)
+
+
+def test_gpu_is_a_leaf_that_imports_torch_and_itself() -> None:
+    found = violations(sources("gpu"), lambda m: m.split(".")[0] == "kvstore" and not (
+        m == "kvstore.gpu" or m.startswith("kvstore.gpu.")))
+    assert not found, "gpu/ imports torch and kvstore.gpu only:\n" + "\n".join(found)
+
+
+def _core_forbidden(module: str) -> bool:
+    top = module.split(".")
+    return top[0] == "aiohttp" or module.startswith(("kvstore.api", "kvstore.decode")) \
+        or module in ("kvstore.KVStoreClient", "kvstore.AsyncKVStoreClient")
+
+
+def _public_name(imp: Import) -> bool:
+    """kvstore/__init__.py's lazy `KVStoreClient`/`AsyncKVStoreClient` (in `__getattr__`)."""
+    return imp.path == "kvstore/__init__.py" and imp.in_function and imp.module in ("kvstore.api", "kvstore.api.client")
+
+
+def test_the_core_imports_no_aiohttp_api_or_decode() -> None:
+    core = [p for p in sorted((REPO / "kvstore").glob("*.py")) if str(p.relative_to(REPO)) != CLI]
+    found = violations(core, _core_forbidden, _public_name)
+    assert not found, "kvstore's core must not import aiohttp, kvstore.api or kvstore.decode:\n" + "\n".join(found)
+
+
+def test_only_the_cli_imports_server_client_and_decode_together() -> None:
+    found = []
+    for path in sources(*PACKAGE_DIRS.values()):
+        rel = str(path.relative_to(REPO))
+        touched = {imp.module for imp in imports_of(path)} | {module_name(path)}
+        sides = {side for side, rule in (("server", SERVER), ("client", CLIENT), ("decode", DECODE))
+                 if any(rule.match(m) for m in touched)}
+        if len(sides) == 3 and rel != CLI:
+            found.append(f"{rel} imports the server, the client and the decode loop")
+    assert not found, "only kvstore/cli.py wires the server, client and decode together:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, path, forbidden, expected", [
+    ("from kvstore.placement import Placement\n", "tiers/fake.py", _tiers_forbidden,
+     "tiers/fake.py:1 imports kvstore.placement"),
+    ("def f():\n    import kvstore.store\n", "tiers/fake.py", _tiers_forbidden,
+     "tiers/fake.py:2 imports kvstore.store"),
+    ("from kvstore import KVStore\n", "tiers/fake.py", _tiers_forbidden, "tiers/fake.py:1 imports kvstore.KVStore"),
+    ("import aiohttp.web\n", "kvstore/fake.py", _core_forbidden, "kvstore/fake.py:1 imports aiohttp.web"),
+    ("from .api import wire\n", "kvstore/fake.py", _core_forbidden, "kvstore/fake.py:1 imports kvstore.api.wire"),
+])
+def test_a_violation_names_the_file_the_line_and_the_import(tmp_path, monkeypatch, source, path, forbidden,
+                                                            expected) -> None:
+    # The checker itself: an import the rules forbid is found, at module level or in a function,
+    # relative imports resolved.
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    target = tmp_path / path
+    target.parent.mkdir(parents=True)
+    target.write_text(source)
+    assert violations([target], forbidden) == [expected]
