@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 import pytest
 from redis_helpers import RedisServer
 
-from kvstore import KVStore, ModelSpec, StoreConfig
+from kvstore import KVStore, ModelSpec
 
 
 @pytest.fixture
@@ -23,18 +23,13 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def make_sidecar_store(tmp_path: Path, redis_server: RedisServer) -> Iterator[Callable[..., KVStore]]:
-    """Stores as separate sidecars would run them: each its own data dir, one Redis."""
-    stores: list[KVStore] = []
+def make_sidecar_store(tmp_path: Path, redis_server: RedisServer,
+                       make_store: Callable[..., KVStore]) -> Callable[..., KVStore]:
+    """Stores as separate sidecars would run them: each its own data dir, one Redis. (After
+    `redis_server` in the arguments: the stores close before the server stops.)"""
 
     def make(name: str, **overrides) -> KVStore:
-        fields = {"data_dir": str(tmp_path / name), "cpu_bytes": 1 << 20, "disk_bytes": 8 << 20,
-                  "redis_url": redis_server.url, "redis_timeout_s": 0.5}
-        fields.update(overrides)
-        store = KVStore(StoreConfig(**fields))
-        stores.append(store)
-        return store
+        return make_store(**{"data_dir": str(tmp_path / name), "redis_url": redis_server.url, "redis_timeout_s": 0.5,
+                             **overrides})
 
-    yield make
-    for store in stores:
-        store.close()
+    return make
