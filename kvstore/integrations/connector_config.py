@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvstore import StoreConfig

@@ -83,7 +83,8 @@ class ContentSplitLayout(PagedLayout):
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         n = block_ids.numel()
         self._check_kv(kv, n)
-        blocks = kv.view(2, n, self.block_size, self.num_kv_heads, self.head_dim).permute(1, 3, 2, 0, 4)  # (n, H, B, 2, D)
+        # (2, n * B, H, D) -> (n, H, B, 2, D)
+        blocks = kv.view(2, n, self.block_size, self.num_kv_heads, self.head_dim).permute(1, 3, 2, 0, 4)
         layer[block_ids] = blocks.reshape(n, self.num_kv_heads, self.block_size, 2 * self.head_dim).to(layer.dtype)
 
 
@@ -106,7 +107,8 @@ class BlockPermutationLayout(PagedLayout):
     def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         n = block_ids.numel()
         blocks = self._blocks(layer)
-        picked = blocks[block_ids[:, None], self.order[None, :].to(blocks.device)]  # (n, 2 * B * H * D), canonical order
+        # (n, 2 * B * H * D), in canonical order
+        picked = blocks[block_ids[:, None], self.order[None, :].to(blocks.device)]
         kv = picked.view(n, 2, self.block_size, self.num_kv_heads, self.head_dim)
         return kv.transpose(0, 1).reshape(2, n * self.block_size, self.num_kv_heads, self.head_dim)
 

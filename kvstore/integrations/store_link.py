@@ -6,10 +6,11 @@ answers 0, fetch answers fewer tokens, store answers None. After a failure the s
 alone for `retry_after_s` (each later call would otherwise pay the same timeout), and the
 warning is logged at most once every `WARN_EVERY_S`.
 
-In-process, one `KVStore` per `StoreConfig` is shared by every connector of this process (vLLM
-makes a scheduler-side and a worker-side connector, in one process with one worker): one LMDB
-environment cannot be opened twice by one process, and both sides must see the same pages.
-It is closed (memory pages written to disk) when its last user closes, or at exit.
+A link talks either to a `KVStore` of this process or to a sidecar's URL. One `KVStore` per
+`StoreConfig` is shared by every user in a process (`shared_store`): vLLM makes a scheduler-side
+and a worker-side connector, both sides must see the same pages, and one LMDB environment
+cannot be opened twice by one process. It is closed (memory pages written to disk) when its
+last user releases it, or at exit.
 
 A sidecar takes the tenant from the bearer token, so there is one `KVStoreClient` per token.
 """
@@ -87,9 +88,15 @@ class RateLimitedWarning:
 class StoreLink:
     """lookup / fetch / store of one model's pages on behalf of requests with a given salt."""
 
-    def __init__(self, config: ConnectorConfig, model: str, spec: ModelSpec):
+    def __init__(self, config: ConnectorConfig, model: str, spec: ModelSpec, *, url: str | None = None,
+                 tenants_by_token: bool = True):
+        """With `url` (or `config.url`): that sidecar; else this process's store for `config.store`.
+        `tenants_by_token` False: a sidecar without auth (the connector's own, see vllm.py), where
+        salted requests cannot be kept apart and so do not use the store."""
         self.config, self.model, self.spec = config, model, spec
-        self._store: KVStore | None = shared_store(config.store) if config.store is not None else None
+        self.url = url or config.url
+        self._store: KVStore | None = shared_store(config.store) if self.url is None else None
+        self._tenants_by_token = tenants_by_token
         self._clients: dict[str, KVStoreClient] = {}  # bearer token ("" for none) -> client
         self._registered: set[Any] = set()  # backends (and salts) the model is registered with
         self._down_until = 0.0
@@ -102,21 +109,24 @@ class StoreLink:
         """(backend, tenant argument) for requests with `salt`; None when they may not use the store."""
         if self._store is not None:
             return self._store, salt
-        token = self.config.token_for(salt)
+        token = self.config.token_for(salt) if self._tenants_by_token else None
         if salt is not None and token is None:
-            self.warning.warn("kvstore: requests with cache_salt %r have no token in kv_connector_extra_config.tokens; "
-                              "they do not use the store (a sidecar's tenant comes from the bearer token)", salt)
+            self.warning.warn("kvstore: requests with cache_salt %r do not use the store: a sidecar's tenant comes "
+                              "from the bearer token, and kv_connector_extra_config.tokens has none for this salt",
+                              salt)
             return None
         key = token or ""
         with self._lock:
             client = self._clients.get(key)
             if client is None:
-                client = self._clients[key] = KVStoreClient(self.config.url, token=token, timeout_s=self.config.timeout_s)
+                client = self._clients[key] = KVStoreClient(self.url, token=token, timeout_s=self.config.timeout_s)
         return client, None
 
     def usable(self, salt: str | None) -> bool:
         """Whether requests with `salt` can use the store at all (without warning)."""
-        return self._store is not None or salt is None or self.config.token_for(salt) is not None
+        if self._store is not None or salt is None:
+            return True
+        return self._tenants_by_token and self.config.token_for(salt) is not None
 
     def _call(self, what: str, salt: str | None, fn: Any) -> Any:
         """`fn(backend, tenant)` after registering the model; None on any failure (then the store is

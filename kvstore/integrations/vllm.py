@@ -12,7 +12,16 @@ docs/vllm.md has the set-up and the measured figures.
 
 vLLM makes two connectors per engine, one per role: the scheduler side decides what to load
 and store (vllm_scheduler.py), the worker side moves the blocks (vllm_worker.py). This class
-only routes vLLM's calls to them.
+routes vLLM's calls to them and decides where the store is:
+
+- `url` given: both sides are clients of that sidecar.
+- in-process, scheduler and worker in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, or any
+  executor that keeps the worker with the scheduler): both use this process's `KVStore`.
+- in-process, worker in its own process (vLLM's CPU backend always does this when
+  multiprocessing is on): the scheduler side opens the store and serves it to its worker on a
+  loopback port (kvstore.decode.sidecar; KV moves through shared memory). The worker learns the
+  URL from the first step's metadata. That sidecar has no tokens, so requests with a
+  cache_salt do not use the store there: use `kvstore serve` with an auth file for salts.
 """
 from __future__ import annotations
 
@@ -41,10 +50,11 @@ log = logging.getLogger("kvstore.vllm")
 
 
 class KVStoreConnectorMetadata(KVConnectorMetadata):
-    """One step's loads and saves, scheduler -> worker."""
+    """One step's loads and saves, scheduler -> worker, and where the scheduler's store is
+    (`store_url` None: a sidecar named in the config, or a store in this very process)."""
 
-    def __init__(self, step: StepMeta):
-        self.step = step
+    def __init__(self, step: StepMeta, store_url: str | None):
+        self.step, self.store_url = step, store_url
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -53,12 +63,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
-        spec = spec_from_vllm(vllm_config, self.config.page_size)
-        model = store_model_name(vllm_config.model_config.served_model_name, self.config.model)
-        self.link = StoreLink(self.config, model, spec)
+        self.spec = spec = spec_from_vllm(vllm_config, self.config.page_size)
+        self.model = model = store_model_name(vllm_config.model_config.served_model_name, self.config.model)
+        self.link: StoreLink | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._sidecar: Any = None  # the loopback sidecar an in-process store is served to a worker process by
+        self._store_url: str | None = None
         if role == KVConnectorRole.SCHEDULER:
+            self.link = self._scheduler_link(vllm_config)
             # A cache miss must cost a recompute, never a failed request (vLLM's default, "fail",
             # suits disaggregated prefill, where the KV has no other source). The scheduler reads
             # this right after constructing its connector.
@@ -67,9 +80,27 @@ class KVStoreConnector(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerSide(self.link, self.block_size)
         else:
-            self.worker = WorkerSide(self.link, self.block_size)
+            if self.config.url is not None:
+                self.link = StoreLink(self.config, model, spec)
+            self.worker = WorkerSide(self.link, spec, self.block_size)  # an in-process store: linked at the first step
         log.info("KVStoreConnector (%s): model %r, %s, page_size %d, block_size %d", role.name.lower(), model,
                  self.config.url or "in-process store", spec.page_size, self.block_size)
+
+    def _scheduler_link(self, vllm_config: "VllmConfig") -> StoreLink:
+        if self.config.url is not None:
+            return StoreLink(self.config, self.model, self.spec)
+        executor = vllm_config.parallel_config.distributed_executor_backend
+        if executor in ("uni", None):
+            return StoreLink(self.config, self.model, self.spec)
+        if executor != "mp":
+            raise ValueError(f"KVStoreConnector: an in-process store needs its worker on this host (executor "
+                             f"{executor!r}); run `kvstore serve` and set url in kv_connector_extra_config")
+        from kvstore.decode.sidecar import InProcessSidecar
+
+        self._sidecar = InProcessSidecar(self.config.store)
+        self._store_url = self._sidecar.__enter__()
+        log.info("KVStoreConnector: serving the in-process store to the worker process at %s", self._store_url)
+        return StoreLink(self.config, self.model, self.spec, url=self._store_url, tenants_by_token=False)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -124,7 +155,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _step(self) -> StepMeta:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata)
+        assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
+        if self.link is None:  # an in-process store: the scheduler's, here or behind its loopback sidecar
+            self.link = StoreLink(self.config, self.model, self.spec, url=meta.store_url,
+                                  tenants_by_token=meta.store_url is None)
+            self.worker.link = self.link
         return meta.step
 
     # -- scheduler side ---------------------------------------------------------------------------
@@ -142,7 +177,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return KVStoreConnectorMetadata(self.scheduler.build_meta(scheduler_output))
+        return KVStoreConnectorMetadata(self.scheduler.build_meta(scheduler_output), self._store_url)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
@@ -150,4 +185,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False, None
 
     def shutdown(self) -> None:
-        self.link.close()
+        if self.link is not None:
+            self.link.close()
+        if self._sidecar is not None:
+            self._sidecar.__exit__(None, None, None)
+            self._sidecar = None

@@ -31,8 +31,9 @@ def store_model_name(served_model_name: Any, override: str | None = None) -> str
 def rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from a transformers config: 5.x `rope_parameters` or 4.x `rope_theta` +
     `rope_scaling`, read as decode/loader.py reads config.json."""
-    rope: Mapping[str, Any] = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope = dict(rope)
+    found: Mapping[str, Any] | None = getattr(hf_config, "rope_parameters", None) \
+        or getattr(hf_config, "rope_scaling", None)
+    rope = dict(found or {})
     theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
     return float(theta), (None if not rope or kind == "default" else rope)
@@ -60,7 +61,8 @@ def spec_from_vllm(vllm_config: Any, page_size: int) -> ModelSpec:
         raise ValueError(f"KVStoreConnector: kv_cache_dtype {cache.cache_dtype!r} is not supported (use auto)")
     block_size = cache.block_size
     if block_size % page_size:
-        raise ValueError(f"kv_connector_extra_config.page_size: must divide vLLM's block_size {block_size}, got {page_size}")
+        raise ValueError(f"kv_connector_extra_config.page_size: must divide vLLM's block_size {block_size}, "
+                         f"got {page_size}")
     return model_spec(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
                       head_dim=model.get_head_size(), kv_dtype=model.dtype, page_size=page_size,
                       hf_config=model.hf_text_config)

@@ -116,7 +116,8 @@ class SchedulerSide:
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            tracked.saved_tokens = max(tracked.saved_tokens, new.num_computed_tokens // self.block_size * self.block_size)
+            computed = new.num_computed_tokens // self.block_size * self.block_size
+            tracked.saved_tokens = max(tracked.saved_tokens, computed)
             self._plan_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

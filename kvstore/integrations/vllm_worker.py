@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvstore import ModelSpec
 from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, PagedLayout,
                                                UnsupportedLayout, probe_block_order)
 from kvstore.integrations.store_link import StoreLink
@@ -44,7 +45,8 @@ def layer_index(name: str) -> int:
 
 
 def layout_for(backend: str, *, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               cpu_writer: Callable[[], Callable[..., None]] | None = None, kv_cache_layout: str | None = None) -> PagedLayout:
+               cpu_writer: Callable[[], Callable[..., None]] | None = None,
+               kv_cache_layout: str | None = None) -> PagedLayout:
     """The `PagedLayout` of an attention backend, by its vLLM name; any other is refused by name."""
     if backend in CONTENT_SPLIT_BACKENDS:
         return ContentSplitLayout(f"{backend}/{kv_cache_layout or 'NHD'}", block_size, num_kv_heads, head_dim)
@@ -71,9 +73,8 @@ class _Save:
 
 
 class WorkerSide:
-    def __init__(self, link: StoreLink, block_size: int):
-        self.link, self.block_size = link, block_size
-        self.spec = link.spec
+    def __init__(self, link: StoreLink | None, spec: ModelSpec, block_size: int):
+        self.link, self.spec, self.block_size = link, spec, block_size
         self.layers: dict[str, torch.Tensor] = {}  # vLLM layer name -> its paged cache
         self.index: dict[str, int] = {}  # vLLM layer name -> store layer index
         self.layout: PagedLayout | None = None
@@ -96,7 +97,8 @@ class WorkerSide:
         first = kv_caches[names[0]]
         dtype_name = str(first.dtype).removeprefix("torch.")
         if dtype_name != self.spec.dtype:
-            raise UnsupportedLayout(f"KVStoreConnector: KV cache dtype {dtype_name} differs from the model's {self.spec.dtype}")
+            raise UnsupportedLayout(f"KVStoreConnector: KV cache dtype {dtype_name} differs from the model's "
+                                    f"{self.spec.dtype}")
         self.layout = layout_for(kinds.pop(), block_size=self.block_size, num_kv_heads=self.spec.num_kv_heads,
                                  head_dim=self.spec.head_dim, dtype=first.dtype, cpu_writer=cpu_writer,
                                  kv_cache_layout=kv_cache_layout)

@@ -14,8 +14,8 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "gqa4-llama3": dict(num_attention_heads=8, num_key_value_heads=2, rope_scaling=LLAMA3_SCALING),
-    "linear-tied": dict(num_attention_heads=4, num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 4.0},
-                        tie_word_embeddings=True),
+    "linear-tied": dict(num_attention_heads=4, num_key_value_heads=1,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_word_embeddings=True),
 }
 
 

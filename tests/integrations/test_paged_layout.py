@@ -34,7 +34,8 @@ def gpu_layer(physical: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("physical", ["NHD", "HND"])
 def test_content_split_layouts_put_k_then_v_of_each_token_where_the_kernels_read_them(backend, physical):
     layer, storage = gpu_layer(physical)
-    layout = layout_for(backend, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16, kv_cache_layout=physical)
+    layout = layout_for(backend, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16,
+                        kv_cache_layout=physical)
     assert isinstance(layout, ContentSplitLayout) and layout.name == f"{backend}/{physical}"
     kv = canonical_kv(len(BLOCKS))
     layout.scatter(layer, BLOCKS, kv)

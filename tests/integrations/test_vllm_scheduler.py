@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from kvstore import KVStore, ModelSpec, StoreConfig
+from kvstore import ModelSpec
 from kvstore.integrations.connector_config import ConnectorConfig
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm_scheduler import SchedulerSide
@@ -33,7 +33,8 @@ def request(req_id: str, prompt: list[int], salt: str | None = None, **extra):
 def step(new=(), cached=(), resumed=()):
     """A SchedulerOutput: new = [(req_id, block_ids, num_computed, scheduled)], cached likewise."""
     return types.SimpleNamespace(
-        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c, _ in new],
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                            for r, b, c, _ in new],
         scheduled_cached_reqs=types.SimpleNamespace(
             req_ids=[r for r, *_ in cached], resumed_req_ids=set(resumed),
             new_block_ids=[(b,) if b is not None else None for _, b, _, _ in cached],

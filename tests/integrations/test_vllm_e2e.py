@@ -1,0 +1,305 @@
+"""kvstore as vLLM's KV connector, end to end on vLLM's CPU build with a tiny random Llama.
+
+One engine lives in this process for the whole module (VLLM_ENABLE_V1_MULTIPROCESSING=0, so
+scheduler and worker share it), talking to a `kvstore serve` sidecar started here with a
+disk-only tier and an auth file (three tenants). Fresh engines run as new processes
+(run_vllm_engine.py): their own prefix cache is empty, so every hit they report came from the
+store. `llm.reset_prefix_cache()` empties this engine's own cache where a test needs the same.
+
+"Identical to a run without the connector" is checked against a full prefill of the same prompt
+by the same engine under a cache_salt the store never serves (a salt with no token), which is
+vLLM computing every token itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (without CUDA, make install brings its CPU build)")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM builds an engine
+
+import lmdb  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from kvstore import KVStoreClient  # noqa: E402
+from kvstore.decode.attention import AttentionContext  # noqa: E402
+from kvstore.decode.engine import generate  # noqa: E402
+from kvstore.decode.loader import load_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = 32
+PREFIX = 640  # the issue's shared prefix: 20 whole blocks
+TOKENS = {"tok-default": "default", "tok-alice": "alice", "tok-bob": "bob"}
+RUNNER = Path(__file__).with_name("run_vllm_engine.py")
+# 48 blocks of 32 tokens: room for one 700-token request and its decode, so three at once preempt.
+ENGINE = dict(skip_tokenizer_init=True, block_size=BLOCK, enforce_eager=True, max_model_len=1024, dtype="bfloat16",
+              max_num_batched_tokens=256, kv_cache_memory_bytes=48 * 16 * 1024)
+
+
+def prompt_tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+SHARED = prompt_tokens(0, PREFIX)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Sidecar:
+    """`kvstore serve` in its own process: disk tier only, so every fetch reads LMDB."""
+
+    def __init__(self, data_dir: Path, auth_file: Path):
+        self.data_dir, self.auth_file, self.port = data_dir, auth_file, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
+                                      "--data-dir", str(self.data_dir), "--cpu-bytes", "0", "--disk-bytes", "64MiB",
+                                      "--auth-file", str(self.auth_file), "--log-level", "warning"])
+        deadline = time.monotonic() + 60
+        with KVStoreClient(self.url, token="tok-default", timeout_s=2) as client:
+            while True:
+                try:
+                    if client.healthz():
+                        return
+                except Exception:
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        raise
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(30)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints) -> Path:
+    return checkpoints["gqa"]
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sidecar")
+    (root / "auth.json").write_text(json.dumps(TOKENS))
+    side = Sidecar(root / "data", root / "auth.json")
+    side.start()
+    yield side
+    side.kill()
+
+
+def extra_config(sidecar: Sidecar) -> dict:
+    return {"url": sidecar.url, "token": "tok-default", "tokens": {"alice": "tok-alice", "bob": "tok-bob"},
+            "timeout_s": 5, "retry_after_s": 1}
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint, sidecar):
+    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+                                kv_role="kv_both", kv_connector_extra_config=extra_config(sidecar))
+    engine = LLM(str(checkpoint), kv_transfer_config=transfer, **ENGINE)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(sidecar):
+    with KVStoreClient(sidecar.url, token="tok-default") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def decode_model(checkpoint):
+    return load_checkpoint(checkpoint)  # bfloat16, as the checkpoint says; page_size 16
+
+
+def run(llm: LLM, prompts: list[list[int]], *, salt: str | None = None,
+        max_tokens: int = 8) -> list[tuple[list[int], int]]:
+    """(greedy tokens, num_cached_tokens) per prompt; all prompts in one generate call."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {})) for p in prompts],
+                        params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs]
+
+
+_fresh = iter(range(1_000_000))
+
+
+def recomputed(llm: LLM, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    """The tokens of a full prefill: a salt with no token never touches the store, and is new to vLLM."""
+    tokens, cached = run(llm, [prompt], salt=f"never-stored-{next(_fresh)}", max_tokens=max_tokens)[0]
+    assert cached == 0
+    return tokens
+
+
+def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]], salts=None) -> list[dict]:
+    job = {"model": str(checkpoint), "extra": extra, "prompts": prompts, "salts": salts, "max_tokens": 8,
+           "engine": ENGINE}
+    done = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])["outputs"]
+
+
+def decode_kv(model, tokens: list[int]) -> torch.Tensor:
+    """The KV our decode loop computes for `tokens`: (L, 2, T, H, D)."""
+    cache = model.new_cache(len(tokens))
+    table = cache.new_table()
+    cache.reserve(table, len(tokens))
+    context = AttentionContext.for_span(cache, table, 0, len(tokens))
+    model(torch.tensor(tokens), torch.arange(len(tokens)), cache, context, logits="none")
+    table.num_tokens = len(tokens)
+    return cache.gather(table, 0, len(tokens))
+
+
+# -- the shared prefix, from one engine to the next ---------------------------------------------
+
+def test_a_fresh_engine_in_another_process_gets_the_shared_prefix_from_the_sidecar(llm, checkpoint, sidecar, client):
+    first = SHARED + prompt_tokens(1, 60)
+    tokens, cached = run(llm, [first])[0]
+    assert cached == 0  # new to vLLM and to the store
+    assert client.lookup("gqa", first).matched_tokens == len(first) // BLOCK * BLOCK  # every whole prompt block stored
+    second = SHARED + prompt_tokens(2, 60)
+    expected = recomputed(llm, second)
+    (fresh,) = run_fresh_engine(checkpoint, extra_config(sidecar), [second])
+    assert fresh["cached"] == PREFIX  # the prefix in whole blocks, from what this process computed
+    assert fresh["tokens"] == expected
+
+
+def test_an_in_process_store_serves_a_restarted_engine_from_its_disk_tier(checkpoint, tmp_path):
+    extra = {"data_dir": str(tmp_path / "data"), "cpu_bytes": "32MiB", "disk_bytes": "64MiB"}
+    first, second = SHARED + prompt_tokens(3, 50), SHARED + prompt_tokens(4, 50)
+    cold = run_fresh_engine(checkpoint, extra, [first, second])
+    assert [o["cached"] for o in cold] == [0, PREFIX]  # the second hit the store in memory (or vLLM's cache)
+    (restarted,) = run_fresh_engine(checkpoint, extra, [second])  # a new process: only the disk tier remains
+    assert restarted == {"tokens": cold[1]["tokens"], "cached": PREFIX}
+    # Every stored page of the first engine is damaged on disk; the index still lists them, so
+    # the next engine is promised the prefix, finds it corrupt when loading, and recomputes.
+    env = lmdb.open(str(tmp_path / "data" / "pages"), max_dbs=2, map_size=64 << 20)
+    data = env.open_db(b"data")
+    with env.begin(write=True) as txn:
+        damaged = 0
+        for key, value in list(txn.cursor(data)):
+            flipped = bytearray(value)
+            flipped[len(flipped) // 2] ^= 0x10
+            txn.put(key, bytes(flipped), db=data)
+            damaged += 1
+    env.close()
+    assert damaged >= PREFIX // 16
+    (after,) = run_fresh_engine(checkpoint, extra, [second])
+    assert after["tokens"] == cold[1]["tokens"]
+
+
+# -- one KV layout for vLLM and our decode loop ---------------------------------------------------
+
+def test_vllm_pages_hold_the_kv_our_decode_loop_computes(llm, client, decode_model):
+    prompt = prompt_tokens(5, 700)
+    run(llm, [prompt])
+    fetched = client.fetch("gqa", prompt[:672])
+    assert fetched.matched_tokens == 672
+    ours = decode_kv(decode_model, prompt[:672])
+    assert fetched.kv.shape == ours.shape and fetched.kv.dtype == ours.dtype == torch.bfloat16
+    # Two bf16 computations of the same math differ by rounding: a value and its neighbours
+    # one or two bf16 steps (2^-8 relative each) away, and summed over 2 layers.
+    diff = (fetched.kv.float() - ours.float()).abs()
+    assert float(diff.max()) <= 0.02 + 0.02 * float(ours.float().abs().max())
+    assert float((diff <= 0.0079 * ours.float().abs() + 1e-3).float().mean()) > 0.99
+    # V of the first layer goes through the same two bf16 matmuls: equal to the bit.
+    assert torch.equal(fetched.kv[0, 1], ours[0, 1])
+
+
+def test_the_decode_loop_reuses_vllms_pages(llm, client, decode_model):
+    prompt = SHARED + prompt_tokens(6, 40)
+    run(llm, [prompt])  # the shared prefix is in the store already; this adds the suffix
+    cold = generate(decode_model, prompt, 8, None)
+    warm = generate(decode_model, prompt, 8, client, store=False)
+    assert warm.reused_tokens == len(prompt) // BLOCK * BLOCK and warm.backend_error is None
+    assert warm.tokens == cold.tokens
+
+
+def test_vllm_reuses_the_decode_loops_pages(llm, client, decode_model):
+    prompt = prompt_tokens(7, 700)  # never seen by vLLM
+    stored = generate(decode_model, prompt, 4, client)
+    assert stored.stored_tokens >= len(prompt)
+    expected = recomputed(llm, prompt)
+    tokens, cached = run(llm, [prompt])[0]
+    assert cached == (len(prompt) - 1) // BLOCK * BLOCK
+    assert tokens == expected
+
+
+# -- tenancy ---------------------------------------------------------------------------------
+
+def test_two_cache_salts_never_share_and_the_same_salt_does(llm, sidecar):
+    prompt = prompt_tokens(8, 500)
+    expected = recomputed(llm, prompt)
+    assert run(llm, [prompt], salt="alice")[0] == (expected, 0)
+    llm.reset_prefix_cache()  # vLLM's own cache also keys by salt; empty it so hits are the store's
+    assert run(llm, [prompt], salt="bob")[0] == (expected, 0)
+    llm.reset_prefix_cache()
+    assert run(llm, [prompt])[0] == (expected, 0)  # no salt: the default tenant, which has none of it
+    llm.reset_prefix_cache()
+    assert run(llm, [prompt], salt="alice")[0] == (expected, 480)
+    with KVStoreClient(sidecar.url, token="tok-bob") as bob:
+        assert bob.lookup("gqa", prompt).matched_tokens == 500  # bob's own copy, computed above
+
+
+# -- chunked prefill and preemption ------------------------------------------------------------
+
+def test_chunked_prefill_stores_every_chunk_and_loads_across_chunks(llm, client):
+    prompt = prompt_tokens(9, 900)  # 256 tokens a step: four chunks
+    expected = recomputed(llm, prompt)
+    run(llm, [prompt])
+    assert client.lookup("gqa", prompt).matched_tokens == 896
+    llm.reset_prefix_cache()
+    tokens, cached = run(llm, [prompt])[0]
+    assert (tokens, cached) == (expected, 896)  # 896 loaded at once, though a step computes 256
+
+
+def test_preempted_requests_store_and_load_correctly(llm):
+    prompts = [prompt_tokens(10 + i, 600) for i in range(3)]
+    expected = [recomputed(llm, p, max_tokens=200) for p in prompts]
+    llm.reset_prefix_cache()
+    stats = get_kv_transfer_group().worker.stats
+    loaded_before = stats["loaded_tokens"]
+    got = run(llm, prompts, max_tokens=200)  # three at once need 75 blocks of 48: some are preempted
+    assert [tokens for tokens, _ in got] == expected
+    assert stats["loaded_tokens"] > loaded_before  # a resumed request loaded its prompt from the store
+    assert get_kv_transfer_group().worker.stats["failed_blocks"] == 0
+
+
+# -- failures never change the output ------------------------------------------------------------
+
+def test_a_killed_sidecar_costs_a_recompute_not_an_error(llm, sidecar, client):
+    prompt = prompt_tokens(11, 700)
+    expected = recomputed(llm, prompt)
+    assert run(llm, [prompt])[0] == (expected, 0)
+    llm.reset_prefix_cache()
+    sidecar.kill()
+    started = time.monotonic()
+    assert run(llm, [prompt])[0] == (expected, 0)
+    assert run(llm, [SHARED + prompt_tokens(12, 30)])[0][1] == 0
+    assert time.monotonic() - started < 10  # nothing waited out a timeout per request
+    sidecar.start()  # the same disk: the pages are back
+    time.sleep(1.2)  # the connector leaves a failed store alone for retry_after_s (1 s here)
+    llm.reset_prefix_cache()
+    assert run(llm, [prompt])[0] == (expected, 672)
