@@ -108,7 +108,8 @@ class GPUTier(SlotBufferTier):
         assert nbytes <= size, (nbytes, size)
         return as_kv(spec, self.buffer[offset:offset + nbytes], num_tokens)  # (L, 2, n, H, D)
 
-    def copy_out(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec, dst: torch.Tensor) -> torch.cuda.Event:
+    def copy_out(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec,
+                 dst: torch.Tensor) -> torch.cuda.Event:
         """Demotion: encode page `key` (n tokens of raw KV) with `codec` *on this GPU*, then copy the
         encoded bytes into `dst` (host uint8, `codec.encoded_bytes(spec, n)`; pinned for an async
         copy). Returns the event after which `dst` holds the page; `delete(key)` waits for it."""
@@ -123,7 +124,8 @@ class GPUTier(SlotBufferTier):
         self._pending[key] = event
         return event
 
-    def copy_in(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec, src: torch.Tensor) -> torch.cuda.Event:
+    def copy_in(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec,
+                src: torch.Tensor) -> torch.cuda.Event:
         """Promotion: copy `src` (host uint8 encoded by `codec`; pinned for an async copy) to this
         GPU and decode it into slot `key`, which the caller allocated with
         `spec.bytes_per_token * n` bytes. Keep `src` unchanged until the returned event completes;

@@ -177,7 +177,8 @@ class RedisTier(RecordTier):
                 if self.cluster:  # the cluster client routes each key to its node: redis-py reads
                     source: Iterator[list[Any]] = (self._read(client, batch) if batch else [] for batch in batches)
                 else:
-                    source = pipelined_gets(client.connection_pool, [[self._prefix + key for key in batch] for batch in batches],
+                    wire_keys = [[self._prefix + key for key in batch] for batch in batches]
+                    source = pipelined_gets(client.connection_pool, wire_keys,
                                             self._ttl_s, ahead, receivers)
                 for values in source:
                     done += 1
@@ -306,7 +307,8 @@ class RedisTier(RecordTier):
         pipe = self._pipeline(client)
         for key in keys:
             pipe.exists(self._prefix + key)
-        return [result is True or (isinstance(result, int) and result > 0) for result in pipe.execute(raise_on_error=False)]
+        results = pipe.execute(raise_on_error=False)
+        return [result is True or (isinstance(result, int) and result > 0) for result in results]
 
     def _send(self, ops: list[Op]) -> list[bytes]:
         """One pipeline of SETs and DELs (the writer thread); keys whose SET Redis refused."""
@@ -318,7 +320,8 @@ class RedisTier(RecordTier):
             else:
                 pipe.set(self._prefix + key, encode_value(record, compressor), ex=self._ttl_s)
         results = pipe.execute(raise_on_error=False)
-        refused = [key for (key, record), result in zip(ops, results) if record is not None and isinstance(result, Exception)]
+        refused = [key for (key, record), result in zip(ops, results)
+                   if record is not None and isinstance(result, Exception)]
         if refused:  # e.g. OOM under maxmemory-policy noeviction: not a fault of the connection
             self._log_refusal(len(refused), next(r for r in results if isinstance(r, Exception)))
         return refused

@@ -1,0 +1,161 @@
+"""A fetch, planned once: match and pin under the store's lock, then read the pages outside it.
+
+    plan_fetch (under the lock)  match the prompt, count, touch and pin every matched page, and
+                                 note where each page is read from: a slot (memory) or a record
+                                 (disk, Redis: I/O). The plan says whether it `needs_io`.
+    FetchPlan.run (any thread)   decode the pages into one answer tensor, then (under the lock)
+                                 promote lower-tier hits to the top tier and unpin.
+
+A caller that must not wait on I/O (the sidecar's event loop) runs a plan that does not need
+it itself, and hands one that does to a thread: the prompt is matched once either way.
+
+Invariants: every page of `path` is pinned from `plan_fetch` until `run` or `release`, which
+unpin each exactly once (a plan is run or released once); a page's bytes are read only while
+it is pinned; a page whose copy turns out lost ends the answer there (`matched_tokens` shrinks),
+it never yields wrong KV.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvstore.codecs import TORCH_DTYPES
+from kvstore.config import ModelSpec
+from kvstore.copy import copy_into, host_array
+from kvstore.host_memory import empty_host
+from kvstore.index import TOKEN_BYTES, Node
+from kvstore.results import FetchResult
+from kvstore.store_state import StoreState, empty_kv
+from kvstore.tiers.base import PageRecord
+
+Read = tuple[Node, int, int, str, "torch.Tensor | None"]  # (page, first token, tokens used, tier, slot or None)
+
+
+class FetchPlan:
+    """The pages one fetch reads, pinned. `run` it once, or `release` it."""
+
+    __slots__ = ("state", "spec", "start", "dev", "into", "count", "path", "reads", "matched_tokens",
+                 "needs_io", "nbytes", "_open")
+
+    def __init__(self, state: StoreState, spec: ModelSpec, start: int, dev: torch.device, into: torch.Tensor | None,
+                 count: bool, path: list[Node], reads: list[Read], matched_tokens: int):
+        self.state = state
+        self.spec = spec
+        self.start = start
+        self.dev = dev
+        self.into = into  # where the answer goes when it fits (a client's shared memory)
+        self.count = count
+        self.path = path  # pinned: every matched page, from the first one on
+        self.reads = reads  # the pages the answer is read from (those past `start`)
+        self.matched_tokens = matched_tokens
+        # A page is read from a record tier (disk, Redis): running the plan waits on I/O.
+        self.needs_io = any(slot is None for _, _, _, _, slot in reads)
+        self.nbytes = max(0, matched_tokens - start) * spec.bytes_per_token  # the answer's size
+        self._open = True
+
+    def run(self) -> FetchResult:
+        """Read the pages into the answer: KV of tokens [start, matched_tokens) (fewer when a
+        copy turned out lost). Unpins the pages, also when reading fails."""
+        assert self._open, "a fetch plan runs once"
+        self._open = False
+        state, spec, start, dev = self.state, self.spec, self.start, self.dev
+        if self.matched_tokens <= start:
+            return FetchResult(self.matched_tokens, empty_kv(spec, dev))
+        shape, dtype = spec.kv_shape(self.matched_tokens - start), TORCH_DTYPES[spec.dtype]
+        into = self.into
+        if into is not None and into.numel() >= self.nbytes:
+            out = into[:self.nbytes].view(dtype).view(shape)  # (L, 2, T, H, D)
+        else:
+            out = empty_host(shape, dtype) if dev.type == "cpu" else torch.empty(shape, dtype=dtype, device=dev)
+        tiers = state.tiers
+        matched = self.matched_tokens
+        promote: list[tuple[Node, torch.Tensor]] = []
+        lost: list[tuple[Node, str]] = []  # record copies that could not be read
+        records: dict[bytes, PageRecord | None] = {}
+        stream = tiers.record_batches(self.reads, spec, out, start)  # payloads land in `out` where they can
+        out_array = host_array(out)
+        promote_on_hit = state.config.promote_on_hit
+        try:
+            for node, first, used, tier, slot in self.reads:
+                lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page
+                whole = lo == first and used == node.num_tokens
+                raw = tiers.slot_array(spec, tier, slot, used) \
+                    if whole and slot is not None and out_array is not None else None
+                if raw is not None:  # a whole raw page in host memory: numpy copies it
+                    np.copyto(out_array[:, :, lo - start:first + used - start], raw, casting="no")
+                    page: torch.Tensor | bool | None = True
+                else:
+                    if slot is None and node.key not in records:
+                        records = next(stream, {})
+                    page = tiers.read_page(spec, node, tier, slot, records.pop(node.key, None), whole=whole,
+                                           out=out[:, :, lo - start:first + used - start])
+                if page is None:  # the copy went bad (corrupt, evicted, unreachable): serve what came before it
+                    lost.append((node, tier))
+                    matched = first
+                    break
+                if page is not True:
+                    copy_into(out[:, :, lo - start:first + used - start], page[:, :, lo - first:used])
+                if tier != tiers.top and promote_on_hit and lo == first:
+                    promote.append((node, out[:, :, lo - start:first + used - start] if page is True else page))
+        finally:
+            with state.lock:
+                for node, kv in promote:
+                    tiers.promote(spec, node, kv)
+                self._unpin()
+                for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
+                    if state.index.get(node.key) is node:
+                        state.placement.remove_from(node, tier)
+                state.drain_lost_copies()
+        if self.count:
+            state.counters["fetched_tokens"] += max(0, matched - start)
+        if matched <= start:
+            return FetchResult(matched, empty_kv(spec, dev))
+        return FetchResult(matched, out[:, :, :matched - start])
+
+    def release(self) -> None:
+        """Give the plan up unread: unpin its pages."""
+        if self._open:
+            self._open = False
+            with self.state.lock:
+                self._unpin()
+
+    def _unpin(self) -> None:
+        for node in self.path:
+            self.state.placement.unpin(node)
+
+
+def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device, *,
+               count: bool = True, into: torch.Tensor | None = None,
+               memory_only_max_bytes: int | None = None) -> FetchPlan | None:
+    """The plan of a fetch of `tb` (int32 LE token bytes) from token `start`, made under the
+    lock. `memory_only_max_bytes`: None instead, with nothing done or counted, when the plan
+    would need I/O or answer more bytes than this."""
+    with state.lock:
+        state.drain_lost_copies()
+        tiers, placement = state.tiers, state.placement
+        match = state.index.match(root_key, tb, spec.page_size)
+        if memory_only_max_bytes is not None and (
+                (match.matched_tokens - start) * spec.bytes_per_token > memory_only_max_bytes
+                or any(not tiers.keeps_slots(tiers.source_tier(node)) for node in match.path)):
+            return None
+        requested = len(tb) // TOKEN_BYTES
+        if count:
+            state.counters["fetches"] += 1
+            state.counters["requested_tokens"] += requested
+        state.count_misses(match.path, requested > match.matched_tokens)
+        if match.matched_tokens <= start:
+            return FetchPlan(state, spec, start, dev, into, count, [], [], match.matched_tokens)
+        clock = state.tick()
+        reads: list[Read] = []
+        offset = 0
+        for node in match.path:
+            used = min(node.num_tokens, match.matched_tokens - offset)
+            placement.pin(node)
+            placement.touch(node, clock)
+            tier = tiers.source_tier(node)
+            if offset + used > start:
+                placement.usage[tier].hits += 1
+                node.hits += 1
+                reads.append((node, offset, used, tier, tiers.slot(tier, node.key)))
+            offset += used
+        return FetchPlan(state, spec, start, dev, into, count, match.path, reads, match.matched_tokens)

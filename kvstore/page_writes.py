@@ -1,0 +1,151 @@
+"""Storing a sequence's pages: plan under the lock, copy outside it, publish under it.
+
+    plan (under the lock)     walk the pages of tokens[start:]: pin those already cached, and for
+                              each new one insert a node (not ready) and reserve its room in the
+                              top tier that has it (a slot, or a record's bytes)
+    copy (outside the lock)   encode each new page's KV into its slot, or queue its record
+    publish (under the lock)  mark the pages ready, write through (durability), fold shorter
+                              tails they extend, queue them for the shared tier, unpin
+
+Tail folding: a sequence may end inside a page (a tail page, fewer than page_size tokens). A
+longer tail with the same first tokens serves every prompt the shorter one did, so storing it
+drops the shorter one, and a new tail whose tokens a cached sibling already starts with is that
+sibling (nothing is stored twice).
+
+Invariant: a page's node is matchable (`ready`) only after all its bytes are written; a store
+that fails midway removes the room it reserved and leaves the cached pages as they were.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvstore.config import ModelSpec
+from kvstore.copy import host_array
+from kvstore.errors import InsufficientStorage
+from kvstore.index import TOKEN_BYTES, Node
+from kvstore.keys import page_key
+from kvstore.results import FetchResult, StoreResult
+from kvstore.store_state import StoreState
+from kvstore.tiers.base import PageRecord, WriteTicket
+
+# (root key, spec, token bytes, start, device, count) -> the cached KV of tokens [start:] of them
+FetchHead = Callable[[bytes, ModelSpec, bytes, int, torch.device, bool], FetchResult]
+
+
+def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: bytes, spec: ModelSpec,
+                tb: bytes, kv: torch.Tensor, start: int) -> StoreResult:
+    """Store `kv` (L, 2, T, H, D) for tokens [start:] of `tb` under the tree `root_key`."""
+    P = spec.page_size
+    n_tokens = len(tb) // TOKEN_BYTES
+    page_start = start // P * P
+    if page_start < start:
+        # The page holding `start` is partly cached already: take those tokens' KV from the
+        # store, so every stored page is whole.
+        head = fetch(root_key, spec, tb[:start * TOKEN_BYTES], page_start, kv.device, False)
+        if head.matched_tokens < start:
+            return StoreResult(head.matched_tokens, 0)
+        kv = torch.cat([head.kv.to(kv.device), kv], dim=2)
+        start = page_start
+    tiers, placement = state.tiers, state.placement
+    writes: list[tuple[Node, str, torch.Tensor | None, int, int]] = []  # (page, tier, slot or None, first, end)
+    path: list[Node] = []
+    stored_tokens = 0
+    with state.lock:
+        state.drain_lost_copies()
+        clock = state.tick()
+        parent = state.index.root(root_key, namespace)
+        for s in range(0, n_tokens, P):
+            e = min(s + P, n_tokens)
+            ptoks = tb[s * TOKEN_BYTES:e * TOKEN_BYTES]
+            key = page_key(parent.key, ptoks)
+            node = state.index.get(key) or (covering_sibling(parent, ptoks) if e - s < P else None)
+            if node is not None:
+                if node.parent is not parent or not node.tokens.startswith(ptoks) or not (node.ready or node.pins):
+                    break  # a key collision or a page on its way out: stop here, store nothing wrong
+                placement.pin(node)
+                placement.touch(node, clock)
+                path.append(node)
+                parent = node
+                stored_tokens = e
+                continue
+            if s < start:
+                break  # the caller's prefix is no longer cached: nothing after it can chain
+            tier, nbytes, slot = tiers.reserve(spec, key, e - s, namespace)
+            if tier is None:
+                if not writes:
+                    raise InsufficientStorage("store: no tier has room for a page (every page is pinned, "
+                                              "or the tenant's max_bytes is below a page)")
+                break
+            node = state.index.insert(parent, key, ptoks, tail=e - s < P)
+            placement.pin(node)
+            placement.touch(node, clock)
+            placement.add(node, tier, nbytes)
+            path.append(node)
+            writes.append((node, tier, slot, s, e))
+            parent = node
+            stored_tokens = e
+    durable: list[WriteTicket] = []
+    shared = tiers.shared
+    shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
+    ok = False
+    kv_array = host_array(kv)
+    try:
+        for node, tier, slot, s, e in writes:
+            raw = tiers.slot_array(spec, tier, slot, e - s) if slot is not None and kv_array is not None else None
+            if raw is not None:  # a raw page in host memory: numpy copies it in
+                np.copyto(raw, kv_array[:, :, s - start:e - start], casting="no")
+            else:
+                durable.append(tiers.put_page(spec, node, tier, kv=kv[:, :, s - start:e - start], slot=slot))  # type: ignore[arg-type]
+            if shared is not None and tier != shared.name and shared.available:
+                shares.append((node, tiers.record(spec, node, shared.name, kv=kv[:, :, s - start:e - start])))
+        ok = True
+    finally:
+        with state.lock:
+            for node, tier, slot, s, e in writes:
+                if ok:
+                    node.ready = True
+                    if state.config.durability == "write-through" and tier != tiers.persistent:
+                        ticket = tiers.write_through(spec, node, kv[:, :, s - start:e - start])
+                        if ticket is not None:
+                            durable.append(ticket)
+                    # After the write-through: the disk writer commits in queue order, so a
+                    # crash never finds the shorter tail deleted and its replacement unwritten
+                    # (an acknowledged sequence ending in that tail would lose its last tokens).
+                    drop_shadowed_tails(state, node)
+                else:
+                    placement.remove_from(node, tier)
+            for node, record in shares:  # queued, never waited for: Redis must not slow stores
+                if ok and node.ready and node.tiers and shared.name not in node.tiers:  # type: ignore[union-attr]
+                    placement.add(node, shared.name, tiers.size_in(node, shared.name))  # type: ignore[union-attr]
+                    shared.put(record)  # type: ignore[union-attr]
+            for node in path:
+                placement.unpin(node)
+            state.counters["stored_pages"] += len(writes) if ok else 0
+    for ticket in durable:
+        ticket.wait()
+    lost = sum(not ticket.ok for ticket in durable)
+    if lost:  # the disk refused the write (full): the pages are not durable, or not stored at all
+        raise InsufficientStorage(f"store: the disk tier could not write {lost} of the pages (disk full?); "
+                                  "they are not stored durably")
+    return StoreResult(stored_tokens, len(writes))
+
+
+def covering_sibling(parent: Node, ptoks: bytes) -> Node | None:
+    """A cached sibling whose tokens start with this tail page's: it already serves them."""
+    for sibling in parent.by_first.get(ptoks[:TOKEN_BYTES], ()):
+        if sibling.ready and len(sibling.tokens) > len(ptoks) and sibling.tokens.startswith(ptoks):
+            return sibling
+    return None
+
+
+def drop_shadowed_tails(state: StoreState, node: Node) -> None:
+    """A new page makes shorter sibling tail pages it extends redundant: drop them (under the lock)."""
+    parent = node.parent
+    assert parent is not None
+    for sibling in list(parent.by_first.get(node.tokens[:TOKEN_BYTES], ())):
+        if sibling is not node and len(sibling.tokens) < len(node.tokens) and not sibling.pins \
+                and not sibling.children and node.tokens.startswith(sibling.tokens):
+            state.placement.drop(sibling)

@@ -1,0 +1,74 @@
+"""What every store operation shares (the page tree, placement, the tiers, the models, the
+logical clock and the request counters), and the one lock that guards it.
+
+Invariants:
+- the tree (`index`), `placement` (and through it each tier's bookkeeping: `Node.tiers`, slots
+  allocated and released), `clock` and `counters` change only under `lock`;
+- page bytes are copied outside the lock, on pinned pages only: a pinned page is never evicted,
+  so its slot or record cannot be reused under the copy;
+- a page is matchable only once `ready`: its bytes are all written before it is marked so.
+
+`KVStore` (kvstore/store.py) is the façade over this; the operations live in their own
+modules (fetch_plan.py, page_writes.py, shared_probe.py, blend.py, store_stats.py).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvstore.codecs import TORCH_DTYPES
+from kvstore.config import ModelSpec, StoreConfig
+from kvstore.index import Node, PageIndex
+from kvstore.placement import Placement
+from kvstore.registry import ModelRegistry
+from kvstore.tier_stack import TierStack
+
+
+class StoreState:
+    def __init__(self, config: StoreConfig):
+        self.config = config
+        # Re-entrant: a caller that holds it (KVStore.unless_busy) may call any store method.
+        self.lock = threading.RLock()
+        self.index = PageIndex()
+        self.registry = ModelRegistry(config.data_dir if config.disk_bytes else None)
+        self.tiers = tiers = TierStack(config, self.registry)
+        self.placement = Placement(self.index, tiers.capacities, config.policy, mover=tiers,
+                                   size_in=tiers.size_in, raw_size_in=tiers.raw_size_in,
+                                   tenant_of=self.registry.tenants_by_namespace.get)
+        tiers.placement = self.placement
+        self.clock = 0  # logical time of the last request that touched pages (policies' recency)
+        self.counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
+                         "fetched_tokens": 0, "stored_pages": 0, "requested_tokens": 0}
+
+    def tick(self) -> int:
+        """Advance the clock for a request that touches pages (under the lock)."""
+        self.clock += 1
+        return self.clock
+
+    def drain_lost_copies(self) -> None:
+        """Forget copies a tier lost on its own (corrupt records, failed writes); under the lock."""
+        for name, tier in self.tiers.tiers.items():
+            for key in tier.take_failed():
+                node = self.index.get(key)
+                if node is not None:
+                    self.placement.remove_from(node, name)
+
+    def count_misses(self, path: list[Node], missed: bool) -> None:
+        """Each tier above the one that served a page counts a miss; a page no tier holds is a
+        miss everywhere (tiers are consulted top down)."""
+        for node in path:
+            for tier in self.placement.order:
+                if tier in node.tiers:
+                    break
+                self.placement.usage[tier].misses += 1
+        if missed:
+            for tier in self.placement.order:
+                self.placement.usage[tier].misses += 1
+
+    def pinned_below(self, node: Node) -> bool:
+        return any(page.pins for page in self.index.subtree(node))
+
+
+def empty_kv(spec: ModelSpec, dev: torch.device) -> torch.Tensor:
+    return torch.empty(spec.kv_shape(0), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, 0, H, D)
