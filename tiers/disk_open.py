@@ -1,30 +1,38 @@
 """Open the disk tier's LMDB environment, or move a damaged one aside and start empty.
 
-LMDB keeps no checksums of its own pages: a flipped byte in a meta or B-tree page makes
-`lmdb.open` fail, or makes later reads raise `lmdb.Error` (MDB_CORRUPTED, MDB_PAGE_NOTFOUND),
-and in the worst case a bogus node size could make a read run off the map and kill the process.
-A cache may lose pages, but it must neither serve wrong KV nor refuse to start (a sidecar that
-crash-loops on its own data dir takes the engine's cache down with it). So at start:
+LMDB keeps no checksums of its own pages, and it trusts every byte of them: a damaged value
+size or overflow page number in a leaf of `data` sends the first read of that value off the end
+of data.mdb (SIGBUS) or off the map (SIGSEGV), and a damaged free-list record does the same to
+the first write that allocates a page. A cache may lose pages, but it must neither serve wrong
+KV, nor die on its own files, nor refuse to start (a sidecar that crash-loops on its own data dir
+takes the engine's cache down with it). So at start, a child process:
 
-1. a child process opens the environment read-only and walks every B-tree page of both
-   sub-databases (all of `meta` with values, the keys of `data`); LMDB raising, or the child
-   dying by a signal, marks the environment damaged;
-2. a damaged environment is renamed to `<path>.corrupt-<UTC timestamp>` (kept for a post-mortem,
-   never read again) with an error log line, and a fresh empty one is created.
+1. verifies the file offline with py-lmdb's pure-Python structural verifier (`lmdb.verify`:
+   plain reads, never the map, so hostile bytes cannot crash it): both meta pages, every page
+   reachable from the roots stores its own number and flags and is reachable once, every node
+   and every value lies inside its page or inside an overflow extent that lies inside the file
+   and whose header agrees with the node, and the free list is well formed and disjoint from the
+   live pages; this is what makes every later read and write of LMDB stay inside the file;
+2. then opens the environment read-only through LMDB and walks both sub-databases (all of
+   `meta` with values, the keys of `data`), as the engine itself would.
 
-Damage inside record payloads is not this module's business: the payload checksums catch it
-per record (tiers/disk_record.py). Running the walk in a child costs ~0.1 s per start plus the
-walk itself (it reads only B-tree pages, not payload overflow pages).
+Any problem, or the child dying by a signal, marks the environment damaged: it is renamed to
+`<path>.corrupt-<UTC timestamp>` (kept for a post-mortem, never read again) with an error log
+line, and a fresh empty one is created. Damage inside record payloads is not this module's
+business: the payload checksums catch it per record (tiers/disk_record.py). What the check costs
+at start is in docs/reliability.md.
 """
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import subprocess
 import sys
 import time
 
 import lmdb
+import lmdb.verify as lmdb_verify
 
 log = logging.getLogger("kvstore.disk")
 
@@ -62,7 +70,11 @@ def check_in_child(path: str) -> str | None:
 
 
 def walk(path: str) -> str | None:
-    """Read every B-tree page of the environment (in this process). None if all of it reads."""
+    """Verify the environment's structure, then read every B-tree page through LMDB (in this
+    process). None if all of it holds."""
+    problem = verify_structure(path)
+    if problem is not None:
+        return problem
     try:
         env = lmdb.open(path, readonly=True, lock=False, max_dbs=len(SUBDBS), subdir=True)
     except lmdb.Error as exc:
@@ -83,6 +95,20 @@ def walk(path: str) -> str | None:
         return f"{type(exc).__name__}: {exc}"
     finally:
         env.close()
+
+
+def verify_structure(path: str, shown: int = 3) -> str | None:
+    """py-lmdb's offline verifier over `path`/data.mdb: None, or its first findings."""
+    try:
+        problems = lmdb_verify.verify(path, subdir=True)
+    except lmdb_verify.VerifyError as exc:
+        return f"lmdb.verify: {exc}"
+    except (OSError, ValueError, struct.error, IndexError, MemoryError, OverflowError) as exc:  # too short or too odd to walk
+        return f"lmdb.verify: {type(exc).__name__}: {exc}"
+    if not problems:
+        return None
+    more = f" (and {len(problems) - shown} more)" if len(problems) > shown else ""
+    return "lmdb.verify: " + "; ".join(problems[:shown]) + more
 
 
 def quarantine(path: str, why: str) -> str:
