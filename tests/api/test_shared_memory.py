@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from api_helpers import MAX_BODY_BYTES, LiveServer, call
+from kv_tensors import random_kv
 
 from kvstore.api.client import KVStoreClient
 from kvstore.api.client_arena import ALIGN_BYTES, ClientArena
@@ -24,13 +25,9 @@ from kvstore import KVStore, ModelSpec, StoreConfig
 from kvstore.errors import InvalidRequest
 
 
-def _kv(spec: ModelSpec, n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(spec.kv_shape(n), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
-
-
 def test_fetch_lands_in_shared_memory_and_matches_the_socket(live_server, spec: ModelSpec):
     tokens = list(range(1, 23))
-    kv = _kv(spec, len(tokens))
+    kv = random_kv(spec, len(tokens))
     with KVStoreClient(live_server.url) as shm, KVStoreClient(live_server.url, shared_memory_bytes=0) as tcp:
         shm.register_model("m", spec)
         assert shm.store("m", tokens, kv).stored_tokens == 22
@@ -58,7 +55,7 @@ def test_fetch_lands_in_shared_memory_and_matches_the_socket(live_server, spec: 
 def test_store_from_shared_memory_then_fetch_over_the_socket(live_server, spec: ModelSpec):
     with KVStoreClient(live_server.url) as shm, KVStoreClient(live_server.url, shared_memory_bytes=0) as tcp:
         shm.register_model("m", spec)
-        kv = _kv(spec, 9, seed=1)
+        kv = random_kv(spec, 9, seed=1)
         strided = torch.stack([kv, -kv], dim=-1)[..., 0]  # equal to kv, not contiguous: still stored exactly
         assert not strided.is_contiguous()
         assert shm.store("m", range(100, 109), strided).stored_tokens == 9
@@ -71,7 +68,7 @@ def test_store_from_shared_memory_then_fetch_over_the_socket(live_server, spec: 
 def test_answers_larger_than_the_arena_use_the_socket(live_server, spec: ModelSpec):
     with KVStoreClient(live_server.url, shared_memory_bytes=HEADER_BYTES + ALIGN_BYTES) as client:
         client.register_model("m", spec)
-        kv = _kv(spec, 64, seed=2)  # 16 KiB of KV: four times the arena's usable bytes
+        kv = random_kv(spec, 64, seed=2)  # 16 KiB of KV: four times the arena's usable bytes
         assert client.store("m", range(64), kv).stored_tokens == 64
         for _ in range(2):
             assert torch.equal(client.fetch("m", range(64)).kv, kv)
@@ -82,7 +79,7 @@ def test_a_sidecar_without_shared_memory_falls_back_with_one_warning(store, spec
     try:
         with caplog.at_level(logging.WARNING, logger="kvstore.client"), KVStoreClient(server.url) as client:
             client.register_model("m", spec)
-            kv = _kv(spec, 8, seed=3)
+            kv = random_kv(spec, 8, seed=3)
             for _ in range(3):
                 assert client.store("m", range(8), kv).stored_tokens == 8
                 assert torch.equal(client.fetch("m", range(8)).kv, kv)
@@ -143,7 +140,7 @@ async def test_an_unsealed_memfd_is_refused(http_model):
 
 
 async def test_regions_are_checked_and_bound_to_the_connection(http_model, store, spec: ModelSpec, memfd: int):
-    kv = _kv(spec, 8, seed=4)
+    kv = random_kv(spec, 8, seed=4)
     raw = kv.contiguous().view(-1).view(torch.uint8).numpy()
     store_body = {"model": "m", "tokens": list(range(8)), "shm": {"offset": HEADER_BYTES, "nbytes": raw.nbytes}}
     # Nothing registered on this connection yet.
@@ -153,7 +150,8 @@ async def test_regions_are_checked_and_bound_to_the_connection(http_model, store
     assert status == 200 and body == {"nbytes": ARENA_BYTES}
     os.pwrite(memfd, raw.tobytes(), HEADER_BYTES)
     for bad, field_words in ((HEADER_BYTES - ALIGN_BYTES, "outside"), (ARENA_BYTES - 16, "outside")):
-        status, body = await call(http_model, "POST", "/v1/store", {**store_body, "shm": {"offset": bad, "nbytes": raw.nbytes}})
+        status, body = await call(http_model, "POST", "/v1/store",
+                                  {**store_body, "shm": {"offset": bad, "nbytes": raw.nbytes}})
         assert status == 400 and body["error"]["message"].startswith("shm:") and field_words in body["error"]["message"]
     status, body = await call(http_model, "POST", "/v1/store", {**store_body, "kv": raw.tobytes()})
     assert status == 400 and body["error"]["code"] == "invalid_kv" and "exactly one" in body["error"]["message"]
@@ -170,7 +168,8 @@ async def test_regions_are_checked_and_bound_to_the_connection(http_model, store
     assert status == 200 and body["shm"] == {"offset": HEADER_BYTES, "nbytes": raw.nbytes} and "kv" not in body
     assert os.pread(memfd, raw.nbytes, HEADER_BYTES) == raw.tobytes()
     # Too small a region: the KV comes in the body instead.
-    status, body = await call(http_model, "POST", "/v1/fetch", {**fetch_body, "shm": {"offset": HEADER_BYTES, "nbytes": 8}})
+    status, body = await call(http_model, "POST", "/v1/fetch",
+                              {**fetch_body, "shm": {"offset": HEADER_BYTES, "nbytes": 8}})
     assert status == 200 and "shm" not in body and bytes(body["kv"]) == raw.tobytes()
 
 
@@ -217,7 +216,7 @@ def test_arena_size_is_validated():
 
 def test_fetch_in_memory_only_serves_what_needs_no_io(store, spec: ModelSpec, tmp_path):
     store.register_model("m", spec)
-    kv = _kv(spec, 8)
+    kv = random_kv(spec, 8)
     store.store("m", list(range(8)), kv)
     into = torch.empty(4096, dtype=torch.uint8)
     result = store.fetch_in_memory("m", list(range(8)), max_bytes=4096, start=4, into=into)
@@ -234,7 +233,7 @@ def test_fetch_in_memory_only_serves_what_needs_no_io(store, spec: ModelSpec, tm
 
 def test_fetch_into_a_buffer_too_small_or_wrong_is_clear(store, spec: ModelSpec):
     store.register_model("m", spec)
-    kv = _kv(spec, 8)
+    kv = random_kv(spec, 8)
     store.store("m", list(range(8)), kv)
     small = torch.empty(16, dtype=torch.uint8)
     result = store.fetch("m", list(range(8)), into=small)
@@ -251,7 +250,7 @@ def test_a_broken_exchange_never_reuses_its_region(live_server, spec: ModelSpec,
 
     with KVStoreClient(live_server.url) as client:
         client.register_model("m", spec)
-        kv = _kv(spec, 8, seed=5)
+        kv = random_kv(spec, 8, seed=5)
         client.store("m", range(8), kv)
         client.fetch("m", range(8))  # learns the bytes per token
         arena = client._arena
@@ -295,7 +294,7 @@ def test_a_closed_connection_unmaps_its_arena(live_server, spec: ModelSpec):
     for _ in range(3):
         with KVStoreClient(live_server.url) as client:
             client.register_model("m", spec)
-            client.store("m", range(8), _kv(spec, 8))
+            client.store("m", range(8), random_kv(spec, 8))
             assert live_server._call(registered()) >= 1  # this connection's (earlier ones may still be closing)
     deadline = time.monotonic() + 5  # the server sees each close a moment after the client
     while live_server._call(registered()) and time.monotonic() < deadline:
