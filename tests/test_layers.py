@@ -2,13 +2,16 @@
 dependency cannot hide a violation). Every import statement counts, at module level or inside a
 function, except where a rule names its exception.
 
-- tiers/ never imports the store, its tier stack, placement or the policies: tiers stay dumb, and
-  placement, eviction, promotion and demotion live once, in the store (docs/design.md).
+- tiers/ never imports the store (or its parts), its tier stack, placement or the policies: tiers
+  stay dumb, and placement, eviction, promotion and demotion live once, in the store
+  (docs/design.md §1).
 - gpu/ is a leaf: it imports torch and itself, nothing else of kvstore.
 - kvstore's core (kvstore/*.py but the CLI) imports no aiohttp, kvstore.api or kvstore.decode: an
   embedder gets the store without the sidecar or the decode loop. The one exception is the
   package's lazy public names (`from kvstore import KVStoreClient`, inside `__getattr__`).
 - Only the CLI (kvstore/cli.py) imports the server, the client and the decode loop together.
+- The index, keys and policies import no torch, lmdb or aiohttp; no installed package imports
+  bench/ or tests/ (neither is installed).
 
 `make lint` runs this file before the test suite.
 """
@@ -27,7 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"kvstore": "kvstore", "kvstore.api": "api", "kvstore.tiers": "tiers", "kvstore.gpu": "gpu",
                 "kvstore.decode": "decode"}
 CLI = "kvstore/cli.py"
-STORE_SIDE = re.compile(r"^kvstore\.(store(_\w+)?|tier_stack|placement|polic(y|ies)(_\w+)?|shadow)$")
+# The store and its parts (docs/design.md §1), the tier stack, placement, the policies.
+STORE_SIDE = re.compile(r"^kvstore\.(store(_\w+)?|page_writes|fetch_plan|shared_probe|blend|tier_stack|placement"
+                        r"|polic(y|ies)(_\w+)?|shadow)$")
+LIGHT = ("kvstore/index.py", "kvstore/keys.py", "kvstore/policies.py", "kvstore/shadow.py")
 SERVER = re.compile(r"^kvstore\.api\.(server|app|create_app)$")
 CLIENT = re.compile(r"^kvstore\.(api\.client|(api\.)?(Async)?KVStoreClient)$")
 DECODE = re.compile(r"^kvstore\.decode(\.\w+)?$")
@@ -130,6 +136,16 @@ def test_only_the_cli_imports_server_client_and_decode_together() -> None:
         if len(sides) == 3 and rel != CLI:
             found.append(f"{rel} imports the server, the client and the decode loop")
     assert not found, "only kvstore/cli.py wires the server, client and decode together:\n" + "\n".join(found)
+
+
+def test_the_index_keys_and_policies_import_no_torch_lmdb_or_aiohttp() -> None:
+    found = violations([REPO / p for p in LIGHT], lambda m: m.split(".")[0] in ("torch", "lmdb", "aiohttp"))
+    assert not found, "the index, keys and policies import no torch, lmdb or aiohttp:\n" + "\n".join(found)
+
+
+def test_no_installed_package_imports_bench_or_tests() -> None:
+    found = violations(sources(*PACKAGE_DIRS.values()), lambda m: m.split(".")[0] in ("bench", "tests"))
+    assert not found, "bench/ and tests/ are not installed: nothing installed may import them:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("source, path, forbidden, expected", [
