@@ -124,9 +124,9 @@ class LRUTailPolicy(EvictionPolicy):
 
     A prompt's last page is usually partial, and the next turn of the conversation does not
     extend it: the store writes a *full* page with more tokens beside it (and drops the tail),
-    so a tail page is matched again only by a retried prompt. In the Mooncake sample, 5% of last
-    blocks are reused against 45-67% of the others. So among evictable leaves, tail pages go
-    first (LRU among them), then full pages in LRU order.
+    so a tail page is matched again only by a retried prompt; in the Mooncake sample last blocks
+    are reused far less often than the others (docs/eviction.md). So among evictable leaves, tail
+    pages go first (LRU among them), then full pages in LRU order.
 
     Only real tails (fewer tokens than a full page, `Node.tail`) rank first: a full last page is
     what the next turn hangs its child under, and a sequence stored a moment ago is served whole.
@@ -196,14 +196,14 @@ class SeenBeforePolicy(TwoSegmentPolicy):
     """Leaf-first probation: pages whose key is new to the tier are evicted before the rest.
 
     Most blocks of real traces are used once, and a block used once tells nothing of its future,
-    while a block used twice is usually used again (Mooncake sample: 41% of blocks seen once
-    come back, 84% of those seen twice). So a page enters `probation` unless its key was stored
-    into this tier within the last HISTORY_TURNOVERS x (pages held) stored keys, or it is served
-    while held; then it is `protected`. Victims come from probation (tail pages first, then
-    LRU) while it has an evictable page, else from protected (same order). The history is
-    TinyLFU's sample window: 10 times the cache (Einziger et al., ACM ToS 2017; Caffeine's
-    default), long enough to see a prompt come back after the tier has turned over several
-    times, short enough to forget. It costs one key per entry, not a page.
+    while a block used twice is usually used again (the Mooncake sample's reuse rates:
+    docs/eviction.md). So a page enters `probation` unless its key was stored into this tier
+    within the last HISTORY_TURNOVERS x (pages held) stored keys, or it is served while held;
+    then it is `protected`. Victims come from probation (tail pages first, then LRU) while it
+    has an evictable page, else from protected (same order). The history is TinyLFU's sample
+    window: 10 times the cache (Einziger et al., ACM ToS 2017; Caffeine's default), long enough
+    to see a prompt come back after the tier has turned over several times, short enough to
+    forget. It costs one key per entry, not a page.
 
     Invariants: every page of the tier is in exactly one segment; `history` holds at most
     HISTORY_TURNOVERS x max(pages, 1) keys, oldest stored first out; leaf-first holds across
@@ -243,13 +243,13 @@ class DuelPolicy(EvictionPolicy):
     shadow's hits, decayed; victims come from the candidate with the highest score (the first,
     `lru-tail`, on a tie: it is never below LRU on the traces we have).
 
-    Scores decay by 1/(HORIZON_TURNOVERS x pages) per reference, so they compare the last
-    ~16 turnovers of the tier: a switch takes about one turnover to change what the tier holds,
-    so the comparison must span many of them or the tier follows neither candidate (measured
-    with `arc-tail`, bench/policy_arc.py, as the second candidate: with 4 the tier lost to both on the `docs` preset
-    at 5%). The shadows' size is the most pages the tier has held (its capacity in pages once it
-    has filled); a page stored and used in one request is one reference (`tick` counts the pages
-    stored into the tier, and none is stored between a request's fetch and its store).
+    Scores decay by 1/(HORIZON_TURNOVERS x pages) per reference, so they compare the last ~16
+    turnovers of the tier: a switch takes about one turnover to change what the tier holds, so
+    the comparison must span many of them or the tier follows neither candidate (a short horizon
+    lost to both candidates on a generated preset: docs/eviction.md). The shadows' size is the
+    most pages the tier has held (its capacity in pages once it has filled); a page stored and
+    used in one request is one reference (`tick` counts the pages stored into the tier, and none
+    is stored between a request's fetch and its store).
 
     With SAMPLE > 1, once the tier is large enough (`shadow.sample_rate`: every shadow keeps at
     least MIN_SAMPLED_PAGES pages) only a uniform 1/rate of the keys, rate <= SAMPLE, go through
@@ -258,12 +258,12 @@ class DuelPolicy(EvictionPolicy):
     within the sample only).
 
     With `learn_later(True)` (the sidecar), references are held in `pending` and replayed
-    through the shadows by `catch_up`, which the sidecar calls once an answer is on the wire: the
-    shadows are most of this policy's cost (a 4-page 2 MiB store in-process: 265-296 µs,
-    196-202 µs with the shadows held, 155-157 µs with `lru-tail`), and only which candidate leads
-    depends on them, never which pages the rankings hold. The leader then lags by the references not yet replayed,
-    a request's worth against a horizon of ~16 turnovers. At most MAX_PENDING are held: a store
-    used in-process with nobody calling `catch_up` replays them inline in batches.
+    through the shadows by `catch_up`, which the sidecar calls once an answer is on the wire:
+    the shadows are most of this policy's cost over `lru-tail`'s (docs/performance.md), and only
+    which candidate leads depends on them, never which pages the rankings hold. The leader then
+    lags by the references not yet replayed, a request's worth against a horizon of ~16
+    turnovers. At most MAX_PENDING are held: a store used in-process with nobody calling
+    `catch_up` replays them inline in batches.
 
     Invariants: every candidate ranks exactly the tier's pages (every call goes to all); each
     shadow holds at most `capacity_pages` / `rate` keys; leaf-first and pins hold because the

@@ -17,8 +17,8 @@ Sampling (`sample_rate`, `in_sample`): like set dueling in hardware, a duel may 
 uniform 1/rate of the keys (keys are blake2b digests: their last byte is uniform) through shadows
 of 1/rate the size. The rate is a power of two, so a key in the 1/8 sample is in the 1/4 one and
 a tier that grows only drops keys from its sample; and it is never so high that a shadow holds
-fewer than MIN_SAMPLED_PAGES pages: on the 600-request presets, 1/8 samples of 150-250 pages let
-`duel-freq` (bench/policy_frequency.py) fall 0.006 below `lru` (low preset), the full key set did not.
+fewer than MIN_SAMPLED_PAGES pages: samples of a few hundred pages put a duel below `lru` on a
+generated preset where the full key set did not (docs/eviction.md).
 
 What it does not model: pins (a shadow page is never pinned; the page being referenced is the
 newest and has its just-referenced parent above it, so neither is a victim while it is added),
