@@ -31,6 +31,7 @@ MODELS = {f"p{p}": ModelSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype="f
           for p in (16, 128, 512)}
 CPU_BYTES = 512 << 20
 BODY_TIMEOUT_S = 2.0
+CUT_OFF_SLACK_S = 6.0  # see _slow_client
 MAX_CONNECTIONS = 64
 
 
@@ -153,7 +154,11 @@ def _slow_client(url: str, report: LoadReport) -> None:
             except OSError:
                 break
     elapsed = time.perf_counter() - began
-    if answer.startswith(b"HTTP/1.1 408") and elapsed <= BODY_TIMEOUT_S + 1.5:
+    # The slack is for this process, not the server: under full load the client threads here
+    # share one GIL and two cores, so this thread may learn of a 408 that was sent on time
+    # seconds late. What is checked is that the sidecar cuts a slow body off instead of
+    # holding the connection open (it would be kept for the whole loop below, >= 12 s).
+    if answer.startswith(b"HTTP/1.1 408") and elapsed <= BODY_TIMEOUT_S + CUT_OFF_SLACK_S:
         report.slow_cut_off += 1
     report.slow_cut_s = max(report.slow_cut_s, elapsed)
 
