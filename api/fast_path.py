@@ -1,9 +1,8 @@
 """The data routes answered as their bytes arrive, before aiohttp's request machinery.
 
-Why: after shared memory, ~0.1 ms of a 2 MiB fetch on loopback was aiohttp's: request and
-response objects, the middleware chain, the handler task and the loop iterations between them.
-Answered from the connection's `data_received` (interleaved A/B, sync client, p50): 2 MiB fetch
-0.39 -> 0.30 ms, 2 MiB store 0.47 -> 0.39 ms, lookup 0.17 -> 0.08 ms.
+Why: once KV moves through shared memory, much of a small request's time is aiohttp's: request
+and response objects, the middleware chain, the handler task and the loop iterations between
+them (docs/performance.md has the measurements).
 
 What is answered here, all of it or nothing:
 - a received chunk that is exactly one complete HTTP/1.1 request, head and Content-Length body
@@ -11,13 +10,19 @@ What is answered here, all of it or nothing:
   /v1/chunks/store;
 - msgpack both ways: no JSON Content-Type or Accept; no Transfer-Encoding, Content-Encoding,
   Expect, Upgrade or `Connection: close`;
-- whose work needs no I/O, decided and done by the handlers' own functions (api/handlers.py
-  `*_inline`, `store_job`), so an answer here carries what the handler's would;
+- whose work needs no I/O and finds the store free, decided and done by the handlers' own
+  functions (api/handlers.py `*_inline`), so an answer here carries what the handler's would;
 - with a known bearer token when the sidecar has an auth file.
 Everything else goes to aiohttp unchanged, and so does a request whose processing raises (a bad
 field, an unknown model, a refused region): aiohttp then answers it, errors included, exactly as
 without this path. Doing the work twice is harmless: the routes are idempotent (storing the same
 pages again changes nothing), as the clients' retry already assumes.
+
+A fetch that turns out to need I/O (a page on disk) is planned here (matched and pinned) and
+its plan goes to aiohttp with the request: the lane keeps it for the request it hands on next,
+`count_answers` gives it to that request (handlers.HANDED_PLAN), and the handler runs it on a
+pool thread without matching the prompt again. A plan that no handler takes (the request was
+answered otherwise, the connection closed) is released.
 
 Invariant: a connection's answers leave in request order. A request is answered here only when
 aiohttp holds no part of an earlier one and has answered every request it was handed on the
@@ -45,9 +50,11 @@ from kvstore.api.catch_up import CATCH_UP
 from kvstore.api.context import AUTH, CONFIG
 from kvstore.api.framing import pack_map_prefix
 from kvstore.api.metrics import METRICS
+from kvstore.fetch_plan import FetchPlan
 
 Answer = tuple[dict, Any]  # (fields, kv bytes or None)
-Route = Callable[[web.Application, Any, dict, "str | None"], "Answer | None"]
+# A route's outcome: its answer, a fetch plan for aiohttp's handler to run, or None (aiohttp's).
+Route = Callable[[web.Application, Any, dict, "str | None"], "Answer | FetchPlan | None"]
 
 _HEAD_END = b"\r\n\r\n"
 MAX_HEAD_BYTES = 8190  # aiohttp's default line limit; a whole head past it is never ours
@@ -60,7 +67,7 @@ def _lookup(app: web.Application, transport: Any, body: dict, tenant: str | None
     return None if answer is None else (answer, None)
 
 
-def _fetch(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
+def _fetch(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | FetchPlan | None:
     req = wire.fetch_request(body)
     return handlers.fetch_inline(app, req, tenant, handlers.shm_region(app, transport, req))
 
@@ -70,8 +77,8 @@ def _storing(parse: Callable[[dict], wire.StoreRequest],
     """A store route (its body parser, its store method), as `handlers._store` runs it."""
     def route(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
         req = parse(body)
-        put, inline = handlers.store_job(app, transport, req, put_kv(req, tenant), tenant)
-        return (put(), None) if inline else None
+        answer = handlers.store_inline(app, handlers.StoreJob(app, transport, req, put_kv(req, tenant), tenant))
+        return None if answer is None else (answer, None)
     return route
 
 
@@ -97,11 +104,14 @@ class FastPath:
         return lane
 
     def drop(self, transport: Any) -> None:
-        self.lanes.pop(transport, None)
+        lane = self.lanes.pop(transport, None)
+        if lane is not None and lane.planned is not None:
+            handlers.release_plan(self.app, lane.planned[1])
 
-    def answer(self, transport: Any, data: bytes) -> list[Any] | None:
-        """The bytes answering `data` when it is one request this path takes (module docstring),
-        else None: nothing was answered and `data` is aiohttp's."""
+    def answer(self, transport: Any, data: bytes) -> list[Any] | FetchPlan | None:
+        """The bytes answering `data` when it is one request this path takes (module docstring);
+        a fetch plan when it is a fetch that needs a thread; else None. With a plan or None,
+        nothing was answered and `data` is aiohttp's."""
         if not data.startswith(b"POST /"):
             return None
         began = time.perf_counter()
@@ -130,8 +140,8 @@ class FastPath:
             answer = route(self.app, transport, body, tenant)
         except Exception:  # aiohttp answers it (the same error, or a logged 500 for a bug)
             return None
-        if answer is None:
-            return None
+        if answer is None or isinstance(answer, FetchPlan):
+            return answer
         requests, latency = self._counted[path]
         requests.inc()
         latency.observe(time.perf_counter() - began)
@@ -166,7 +176,7 @@ class Lane:
     aiohttp has answered each of them; `following` turns false for good on anything the
     Content-Length framing below cannot follow."""
 
-    __slots__ = ("fast", "transport", "handed", "answered", "body_left", "following")
+    __slots__ = ("fast", "transport", "handed", "answered", "body_left", "following", "planned")
 
     def __init__(self, fast: FastPath, transport: Any):
         self.fast = fast
@@ -175,6 +185,9 @@ class Lane:
         self.answered = 0
         self.body_left = 0
         self.following = True
+        # (number of the handed-on request it is for, its fetch plan), until count_answers gives it
+        # to that request's handler.
+        self.planned: tuple[int, FetchPlan] | None = None
 
     @property
     def idle(self) -> bool:
@@ -184,7 +197,13 @@ class Lane:
         """Answer `data` here if this path takes it; False: hand it to aiohttp (and `follow` it)."""
         if not self.idle or self.transport.is_closing():
             return False
+        if self.planned is not None:  # idle: the request it was for was answered without it
+            handlers.release_plan(self.fast.app, self.planned[1])
+            self.planned = None
         answer = self.fast.answer(self.transport, data)
+        if isinstance(answer, FetchPlan):
+            self.planned = (self.handed + 1, answer)  # `follow` counts this request next
+            return False
         if answer is None:
             return False
         for part in answer:  # not writelines: asyncio's (before 3.12) joins the parts, a copy of the kv
@@ -216,10 +235,19 @@ class Lane:
 async def count_answers(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """The outermost middleware: counts a request answered once its answer has been written, so
-    that a later request on the connection may be answered by the fast path without overtaking it."""
-    response = await handler(request)
+    that a later request on the connection may be answered by the fast path without overtaking it;
+    and hands the request the fetch plan the fast path made for it (released if unused)."""
     fast = request.app.get(FAST_PATH)
     lane = fast.lanes.get(request.transport) if fast is not None else None
+    if lane is not None and lane.planned is not None and lane.planned[0] == lane.answered + 1:
+        request[handlers.HANDED_PLAN] = lane.planned[1]
+        lane.planned = None
+    try:
+        response = await handler(request)
+    finally:
+        unused = request.pop(handlers.HANDED_PLAN, None)
+        if unused is not None:
+            handlers.release_plan(request.app, unused)
     if lane is not None:
         await response.prepare(request)  # aiohttp would write it after we return; it skips a written one
         await response.write_eof()

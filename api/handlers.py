@@ -1,4 +1,4 @@
-"""Thin handlers: parse (wire) -> store call (off the loop where it blocks) -> encode (wire).
+"""Thin handlers: parse (wire) -> store call (off the loop where it could wait) -> encode (wire).
 
 Nothing here validates beyond what wire.py does or decides anything the store decides; a
 handler that grows past ~20 lines is a sign its logic belongs in one of those.
@@ -11,9 +11,10 @@ import torch
 from aiohttp import web
 
 from kvstore.api import wire
-from kvstore.api.context import CONFIG, SHARED_MEMORY, STORE, run_blocking, tenant_of
+from kvstore.api.context import CONFIG, EXECUTOR, SHARED_MEMORY, STORE, run_blocking, tenant_of
 from kvstore.api.metrics import METRICS
 from kvstore.api.openapi import openapi_document
+from kvstore.fetch_plan import FetchPlan
 
 
 async def _body(request: web.Request) -> dict:
@@ -69,8 +70,8 @@ async def attach_shared_memory(request: web.Request) -> web.Response:
 
 def fields_of(result: Any) -> dict:
     """A result dataclass's fields as a dict for the answer. Not dataclasses.asdict: that deep-
-    copies (2-3 us a request), and these results hold only ints and a dict of ints, which the
-    answer encodes and drops."""
+    copies, and these results hold only ints and a dict of ints, which the answer encodes and
+    drops."""
     return dict(vars(result))
 
 
@@ -83,48 +84,99 @@ def shm_region(app: web.Application, transport: Any, req: wire.TokensRequest) ->
 
 
 # ---- what runs on the event loop: shared with api/fast_path.py, which answers the same requests
-# before aiohttp's request machinery; each returns None when the work must leave the loop.
+# before aiohttp's request machinery. The loop never waits for the store: each of these enters it
+# only through `unless_busy` and returns None (the work goes to a pool thread) when another
+# thread holds it, or when the work could wait on I/O.
+
+# A fetch the fast path planned but left to aiohttp (it needs I/O), handed to its handler.
+HANDED_PLAN: Any = web.RequestKey("handed_plan", FetchPlan) if hasattr(web, "RequestKey") else "kvstore.handed_plan"
+
 
 def lookup_inline(app: web.Application, req: wire.TokensRequest, tenant: str | None) -> dict | None:
     """A lookup only walks the in-memory index (no copies): a thread hop would cost more than the
-    lookup itself. Off the loop only when Redis may be probed."""
+    lookup itself. Off the loop when Redis may be probed or the store is busy."""
     kvstore = app[STORE]
     if kvstore.has_shared_tier:
         return None
-    return fields_of(kvstore.lookup(req.model, req.tokens, tenant=tenant))
+    with kvstore.unless_busy() as free:
+        return fields_of(kvstore.lookup(req.model, req.tokens, tenant=tenant)) if free else None
 
 
 def fetch_inline(app: web.Application, req: wire.TokensRequest, tenant: str | None,
-                 into: Any) -> tuple[dict, Any] | None:
-    """A fetch's answer (fields, kv bytes or None; api/wire.py fetch_answer) when it needs no I/O
-    and copies at most inline_copy_bytes: cheaper here than the hop to a pool thread. `into`: the
-    client's memory to answer into (`shm_region`), or None."""
-    limit = app[CONFIG].inline_copy_bytes
-    result = app[STORE].fetch_in_memory(req.model, req.tokens, max_bytes=limit, start=req.start, tenant=tenant,
-                                        into=into) if limit else None
-    if result is None:
+                 into: Any) -> tuple[dict, Any] | FetchPlan | None:
+    """A fetch, planned once on the loop: its answer (fields, kv bytes or None; api/wire.py
+    fetch_answer) when it needs no I/O and copies at most inline_copy_bytes, cheaper here than the
+    hop to a pool thread; else its plan, for `run_plan` on a thread; None when even planning would
+    wait (a Redis probe is due, or the store is busy): `fetch_job` then plans on the thread.
+    `into`: the client's memory to answer into (`shm_region`), or None."""
+    kvstore = app[STORE]
+    if kvstore.has_shared_tier:
         return None
+    with kvstore.unless_busy() as free:
+        if not free:
+            return None
+        plan = kvstore.plan_fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+        if plan.needs_io or plan.nbytes > app[CONFIG].inline_copy_bytes:
+            return plan
+        result = plan.run()
     return wire.fetch_answer(result.matched_tokens, wire.kv_payload(result.kv), req.shm, into)
+
+
+def release_plan(app: web.Application, plan: FetchPlan) -> None:
+    """Give up a plan nobody will run, without waiting for the store on the loop."""
+    if plan.claimed:
+        return
+    with app[STORE].unless_busy() as free:
+        if free:
+            plan.release()
+            return
+    try:
+        app[EXECUTOR].submit(plan.release)
+    except RuntimeError:  # the pool is shut down (the app is closing): no store call runs now
+        plan.release()
+
+
+async def run_plan(request: web.Request, plan: FetchPlan, req: wire.TokensRequest, into: Any) -> tuple[dict, Any]:
+    """A planned fetch's answer, read on a pool thread (kv_payload copies a strided kv: off the loop too)."""
+    def read() -> tuple[dict, Any]:
+        found = plan.run()
+        return wire.fetch_answer(found.matched_tokens, wire.kv_payload(found.kv), req.shm, into)
+
+    try:
+        return await run_blocking(request, read)
+    finally:  # cancelled before the thread took it (the client left): unpin it
+        release_plan(request.app, plan)
 
 
 PutKV = Callable[[Any, torch.Tensor], Any]  # (store, kv) -> StoreResult: which store method a route calls
 
 
-def store_job(app: web.Application, transport: Any, req: wire.StoreRequest, put_kv: PutKV,
-              tenant: str | None) -> tuple[Callable[[], dict], bool]:
-    """Both store routes: (the call, whether it may run on the loop). The call views the kv (from
-    the body or the client's shared memory) as the model's (L, 2, T, H, D) tensor and passes it
-    to `put_kv`; it runs on the loop when it is small and nothing but copies into memory
-    (ServerConfig.inline_copy_bytes)."""
+class StoreJob:
+    """Both store routes' call: it views the kv (from the body or the client's shared memory) as
+    the model's (L, 2, T, H, D) tensor and passes it to `put_kv`."""
+
+    def __init__(self, app: web.Application, transport: Any, req: wire.StoreRequest, put_kv: PutKV,
+                 tenant: str | None):
+        self.kvstore = app[STORE]
+        self.raw = memoryview(shm_region(app, transport, req).numpy()) if req.shm else req.kv
+        self.nbytes = self.raw.nbytes
+        self.req, self.put_kv, self.tenant = req, put_kv, tenant
+
+    def __call__(self) -> dict:
+        req = self.req
+        spec = self.kvstore.get_spec(req.model, tenant=self.tenant)
+        kv = wire.kv_tensor(self.raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
+        return fields_of(self.put_kv(self.kvstore, kv))
+
+
+def store_inline(app: web.Application, job: StoreJob) -> dict | None:
+    """A store's answer when it ran on the loop: small, nothing but copies into memory
+    (ServerConfig.inline_copy_bytes, `KVStore.stores_in_memory`) and the store free; else None."""
+    if job.nbytes > app[CONFIG].inline_copy_bytes:
+        return None
     kvstore = app[STORE]
-    raw = memoryview(shm_region(app, transport, req).numpy()) if req.shm else req.kv
-
-    def put() -> dict:
-        spec = kvstore.get_spec(req.model, tenant=tenant)
-        kv = wire.kv_tensor(raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
-        return fields_of(put_kv(kvstore, kv))
-
-    return put, raw.nbytes <= app[CONFIG].inline_copy_bytes and kvstore.stores_in_memory(raw.nbytes)
+    with kvstore.unless_busy() as free:
+        return job() if free and kvstore.stores_in_memory(job.nbytes) else None
 
 
 def put_pages(req: wire.StoreRequest, tenant: str | None) -> PutKV:
@@ -152,23 +204,28 @@ async def store(request: web.Request) -> web.Response:
 
 
 async def _store(request: web.Request, req: wire.StoreRequest, put_kv: PutKV) -> web.Response:
-    put, inline = store_job(request.app, request.transport, req, put_kv, tenant_of(request))
-    return wire.respond(request, put() if inline else await run_blocking(request, put))
+    job = StoreJob(request.app, request.transport, req, put_kv, tenant_of(request))
+    answer = store_inline(request.app, job)
+    return wire.respond(request, answer if answer is not None else await run_blocking(request, job))
 
 
 async def fetch(request: web.Request) -> web.StreamResponse:
     req = wire.fetch_request(await _body(request))
     kvstore, tenant = request.app[STORE], tenant_of(request)
     into = shm_region(request.app, request.transport, req)
-    answer = fetch_inline(request.app, req, tenant, into)
-    if answer is None:
-        def get() -> tuple[dict, Any]:
-            found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
-            # kv_payload copies a strided kv: off the loop
-            return wire.fetch_answer(found.matched_tokens, wire.kv_payload(found.kv), req.shm, into)
-
-        answer = await run_blocking(request, get)
+    found = request.pop(HANDED_PLAN, None) or fetch_inline(request.app, req, tenant, into)
+    if isinstance(found, FetchPlan):
+        answer = await run_plan(request, found, req, into)
+    elif found is None:
+        answer = await run_blocking(request, lambda: _fetch_answer(kvstore, req, tenant, into))
+    else:
+        answer = found
     return await wire.respond_answer(request, *answer)
+
+
+def _fetch_answer(kvstore: Any, req: wire.TokensRequest, tenant: str | None, into: Any) -> tuple[dict, Any]:
+    found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+    return wire.fetch_answer(found.matched_tokens, wire.kv_payload(found.kv), req.shm, into)
 
 
 async def store_chunk(request: web.Request) -> web.Response:

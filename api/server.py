@@ -30,8 +30,7 @@ log = logging.getLogger("kvstore.serve")
 # Young objects the collector lets pile up before it looks at them (CPython's default: 700).
 # The store makes a few hundred long-lived objects per request (index nodes, policy heap
 # entries, `duel`'s shadow pages), so at 700 the collector ran every few requests and its
-# middle generation kept re-scanning them: in-process, a 2 MiB store averaged 273 us against
-# 204 us with the collector off, and 195 us with this threshold after `gc.freeze()`.
+# middle generation kept re-scanning them (docs/performance.md has the measurement).
 GC_YOUNG_THRESHOLD = 50_000
 
 
@@ -76,8 +75,9 @@ def describe(store_config: StoreConfig, server_config: ServerConfig, sock: socke
             detail += f" at {store_config.data_dir}"
         tiers.append(detail)
     auth = f"bearer tokens from {server_config.auth_file}" if server_config.auth_file else "off"
+    shm = "on" if server_config.shared_memory else "off"
     return (f"kvstore serving on http://{host}:{port} | tiers: {', '.join(tiers)} | policy {store_config.policy}, "
-            f"{store_config.durability} | auth: {auth} | shared memory: {'on' if server_config.shared_memory else 'off'}")
+            f"{store_config.durability} | auth: {auth} | shared memory: {shm}")
 
 
 async def run(store_config: StoreConfig, server_config: ServerConfig) -> None:
@@ -124,8 +124,8 @@ async def _serve_until_signal(store: object, store_config: StoreConfig, server_c
 
 def _settle_collector() -> None:
     """Before the first request: what start-up made (torch's modules, the index rebuilt from
-    disk: ~170k objects) is moved out of the collector's sight, where a full collection scanned
-    all of it, a 0.1 s stall in the middle of some request; and young collections are made rarer
+    disk) is moved out of the collector's sight, where a full collection scanned all of it, a
+    stall in the middle of some request; and young collections are made rarer
     (GC_YOUNG_THRESHOLD)."""
     gc.collect()
     gc.freeze()

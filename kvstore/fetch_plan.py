@@ -12,9 +12,12 @@ it itself, and hands one that does to a thread: the prompt is matched once eithe
 Invariants: every page of `path` is pinned from `plan_fetch` until `run` or `release`, which
 unpin each exactly once (a plan is run or released once); a page's bytes are read only while
 it is pinned; a page whose copy turns out lost ends the answer there (`matched_tokens` shrinks),
-it never yields wrong KV.
+it never yields wrong KV. Whichever of `run` and `release` comes first claims the plan (an
+atomic one-shot), so a plan given up while a thread starts running it is unpinned once.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -35,7 +38,7 @@ class FetchPlan:
     """The pages one fetch reads, pinned. `run` it once, or `release` it."""
 
     __slots__ = ("state", "spec", "start", "dev", "into", "count", "path", "reads", "matched_tokens",
-                 "needs_io", "nbytes", "_open")
+                 "needs_io", "nbytes", "_unclaimed")
 
     def __init__(self, state: StoreState, spec: ModelSpec, start: int, dev: torch.device, into: torch.Tensor | None,
                  count: bool, path: list[Node], reads: list[Read], matched_tokens: int):
@@ -51,13 +54,17 @@ class FetchPlan:
         # A page is read from a record tier (disk, Redis): running the plan waits on I/O.
         self.needs_io = any(slot is None for _, _, _, _, slot in reads)
         self.nbytes = max(0, matched_tokens - start) * spec.bytes_per_token  # the answer's size
-        self._open = True
+        self._unclaimed = threading.Lock()  # held once run or release claimed the plan
+
+    @property
+    def claimed(self) -> bool:
+        return self._unclaimed.locked()
 
     def run(self) -> FetchResult:
         """Read the pages into the answer: KV of tokens [start, matched_tokens) (fewer when a
         copy turned out lost). Unpins the pages, also when reading fails."""
-        assert self._open, "a fetch plan runs once"
-        self._open = False
+        if not self._unclaimed.acquire(blocking=False):
+            raise RuntimeError("fetch plan: already run or released (a plan runs once)")
         state, spec, start, dev = self.state, self.spec, self.start, self.dev
         if self.matched_tokens <= start:
             return FetchResult(self.matched_tokens, empty_kv(spec, dev))
@@ -113,9 +120,8 @@ class FetchPlan:
         return FetchResult(matched, out[:, :, :matched - start])
 
     def release(self) -> None:
-        """Give the plan up unread: unpin its pages."""
-        if self._open:
-            self._open = False
+        """Give the plan up unread: unpin its pages. Nothing once it was run or released."""
+        if self._unclaimed.acquire(blocking=False):
             with self.state.lock:
                 self._unpin()
 

@@ -18,14 +18,15 @@ tier (gpu, else cpu, else disk) that can make room.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kvstore.blend import blend_chunks
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.errors import InvalidModelSpec
-from kvstore.fetch_plan import plan_fetch
+from kvstore.fetch_plan import FetchPlan, plan_fetch
 from kvstore.index import TOKEN_BYTES
 from kvstore.keys import chunk_key
 from kvstore.page_writes import store_pages
@@ -135,6 +136,22 @@ class KVStore:
             self._lock.release()
         return True
 
+    @contextmanager
+    def unless_busy(self) -> Iterator[bool]:
+        """For a caller that must never wait (the sidecar's event loop): True, and the calling
+        thread holds the store until the block ends, if no other thread held it; False, and
+        nothing held, if one did (it may be copying, promoting or queueing disk writes).
+
+        Store calls inside the block take the lock again without waiting. The caller must only
+        do, inside, work that waits on nothing (no shared-tier probe, no disk, small copies:
+        `fetch_in_memory`, `stores_in_memory`): other threads wait for the block to end."""
+        free = self._lock.acquire(blocking=False)
+        try:
+            yield free
+        finally:
+            if free:
+                self._lock.release()
+
     def _model(self, model: str, tenant: str | None) -> Model:
         # No lock: a registry read is one dict lookup, and registrations are only ever replaced whole.
         return self._registry.get(check_model_name(model), tenant)
@@ -182,18 +199,36 @@ class KVStore:
     # -- fetch -----------------------------------------------------------------------------
     def fetch_in_memory(self, model: str, tokens: Sequence[int], *, max_bytes: int, start: int = 0,
                         tenant: str | None = None, into: torch.Tensor | None = None) -> FetchResult | None:
-        """`fetch` (to the CPU), done only if it needs no I/O and returns at most `max_bytes`:
-        every page it would read is in a memory tier and no Redis probe is due. None otherwise,
-        with nothing done or counted. The sidecar runs these on its event loop, where the copy
-        costs less than a hop to a pool thread and back."""
+        """`fetch` (to the CPU), done only if it waits on nothing and returns at most `max_bytes`:
+        every page it would read is in a memory tier, no Redis probe is due and no other thread
+        holds the store. None otherwise, with nothing done or counted. For a caller on an event
+        loop, where the copy costs less than a hop to a pool thread and back."""
         if self.has_shared_tier:
             return None  # a fetch may probe Redis for pages past the local match
         entry = self._model(model, tenant)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
-        plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, CPU, into=check_into(into, CPU),
-                          memory_only_max_bytes=max_bytes)
-        return None if plan is None else plan.run()
+        with self.unless_busy() as free:
+            plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, CPU, into=check_into(into, CPU),
+                              memory_only_max_bytes=max_bytes) if free else None
+            return None if plan is None else plan.run()
+
+    def plan_fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
+                   device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
+        """What `fetch` would read, matched and pinned (after a shared-tier probe, if there is
+        one: I/O): `needs_io` says whether reading it waits on a record tier (disk, Redis),
+        `nbytes` how much it answers. `run()` it once, on any thread, for the FetchResult, or
+        `release()` it; `fetch` is `plan_fetch(...).run()`. The sidecar plans on its event loop
+        (inside `unless_busy`, without a shared tier) and runs a plan that needs I/O on a pool
+        thread, so the prompt is matched once."""
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        start = check_start(start, len(tb) // TOKEN_BYTES)
+        dev = check_device(device)
+        probe_shared(self._state, entry.namespace, entry.spec, tb)
+        plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
+        assert plan is not None
+        return plan
 
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
               device: str = "cpu", into: torch.Tensor | None = None) -> FetchResult:
