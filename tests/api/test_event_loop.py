@@ -52,7 +52,8 @@ async def test_a_hung_redis_does_not_stall_other_requests(tmp_path):
             app = create_app(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
             async with TestClient(TestServer(app)) as http:
                 began = time.monotonic()
-                lookup = asyncio.ensure_future(call(http, "POST", "/v1/lookup", {"model": "m", "tokens": list(range(12))}))
+                body = {"model": "m", "tokens": list(range(12))}
+                lookup = asyncio.ensure_future(call(http, "POST", "/v1/lookup", body))
                 await asyncio.sleep(0.2)  # the lookup is now waiting on Redis
                 status, body = await call(http, "GET", "/healthz", headers={})
                 healthz_s = time.monotonic() - began
