@@ -85,14 +85,6 @@ class KVStore:
         self.register_model_created(model, spec, tenant=tenant)
         return spec
 
-    def register_model_created(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:
-        """Like register_model; True when this call created the registration (HTTP 201)."""
-        check_model_name(model)
-        if not isinstance(spec, ModelSpec):
-            raise InvalidModelSpec(f"spec: expected a ModelSpec, got {type(spec).__name__}", field="spec")
-        with self._lock:
-            return self._registry.register(model, spec, tenant)[1]
-
     def get_spec(self, model: str, *, tenant: str | None = None) -> ModelSpec:
         return self._model(model, tenant).spec
 
@@ -136,22 +128,6 @@ class KVStore:
             self._lock.release()
         return True
 
-    @contextmanager
-    def unless_busy(self) -> Iterator[bool]:
-        """For a caller that must never wait (the sidecar's event loop): True, and the calling
-        thread holds the store until the block ends, if no other thread held it; False, and
-        nothing held, if one did (it may be copying, promoting or queueing disk writes).
-
-        Store calls inside the block take the lock again without waiting. The caller must only
-        do, inside, work that waits on nothing (no shared-tier probe, no disk, small copies:
-        `fetch_in_memory`, `stores_in_memory`): other threads wait for the block to end."""
-        free = self._lock.acquire(blocking=False)
-        try:
-            yield free
-        finally:
-            if free:
-                self._lock.release()
-
     def _model(self, model: str, tenant: str | None) -> Model:
         # No lock: a registry read is one dict lookup, and registrations are only ever replaced whole.
         return self._registry.get(check_model_name(model), tenant)
@@ -179,57 +155,7 @@ class KVStore:
             state.counters["lookup_hit_tokens"] += done
             return LookupResult(done, tiers)
 
-    @property
-    def has_shared_tier(self) -> bool:
-        """True with a Redis tier: lookup and fetch may then do network I/O (probing Redis)."""
-        return self._tiers.shared is not None
-
-    def stores_in_memory(self, nbytes: int) -> bool:
-        """Whether storing `nbytes` of new KV now would only copy into memory: write-back, a
-        memory top tier, and no eviction that writes a record tier (the disk writer's bounded
-        queue can block). Like `fetch_in_memory`, it lets the sidecar skip the thread hop."""
-        top = self._tiers.top
-        if self.config.durability != "write-back" or not self._tiers.keeps_slots(top):
-            return False
-        if all(tier.keeps_slots for tier in self._tiers.tiers.values()):
-            return True  # evictions only drop pages
-        with self._lock:
-            return not self._placement.quotas and self._placement.fits(top, nbytes)
-
     # -- fetch -----------------------------------------------------------------------------
-    def fetch_in_memory(self, model: str, tokens: Sequence[int], *, max_bytes: int, start: int = 0,
-                        tenant: str | None = None, into: torch.Tensor | None = None) -> FetchResult | None:
-        """`fetch` (to the CPU), done only if it waits on nothing and returns at most `max_bytes`:
-        every page it would read is in a memory tier, no Redis probe is due and no other thread
-        holds the store. None otherwise, with nothing done or counted. For a caller on an event
-        loop, where the copy costs less than a hop to a pool thread and back."""
-        if self.has_shared_tier:
-            return None  # a fetch may probe Redis for pages past the local match
-        entry = self._model(model, tenant)
-        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
-        start = check_start(start, len(tb) // TOKEN_BYTES)
-        with self.unless_busy() as free:
-            plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, CPU, into=check_into(into, CPU),
-                              memory_only_max_bytes=max_bytes) if free else None
-            return None if plan is None else plan.run()
-
-    def plan_fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-                   device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
-        """What `fetch` would read, matched and pinned (after a shared-tier probe, if there is
-        one: I/O): `needs_io` says whether reading it waits on a record tier (disk, Redis),
-        `nbytes` how much it answers. `run()` it once, on any thread, for the FetchResult, or
-        `release()` it; `fetch` is `plan_fetch(...).run()`. The sidecar plans on its event loop
-        (inside `unless_busy`, without a shared tier) and runs a plan that needs I/O on a pool
-        thread, so the prompt is matched once."""
-        entry = self._model(model, tenant)
-        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
-        start = check_start(start, len(tb) // TOKEN_BYTES)
-        dev = check_device(device)
-        probe_shared(self._state, entry.namespace, entry.spec, tb)
-        plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
-        assert plan is not None
-        return plan
-
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
               device: str = "cpu", into: torch.Tensor | None = None) -> FetchResult:
         """KV of the longest cached prefix: `kv` covers tokens[start:matched_tokens].
@@ -284,6 +210,81 @@ class KVStore:
         dev = check_device(device)
         return blend_chunks(lambda key, spec, tb, dev: self._fetch(key, spec, tb, 0, dev), self.config,
                             entry.namespace, entry.spec, tbs, start_pos, dev)
+
+    # -- what the sidecar uses: the event loop never waits, a fetch is planned once ---------
+    @contextmanager
+    def unless_busy(self) -> Iterator[bool]:
+        """For a caller that must never wait (the sidecar's event loop): True, and the calling
+        thread holds the store until the block ends, if no other thread held it; False, and
+        nothing held, if one did (it may be copying, promoting or queueing disk writes).
+
+        Store calls inside the block take the lock again without waiting. The caller must only
+        do, inside, work that waits on nothing (no shared-tier probe, no disk, small copies:
+        `fetch_in_memory`, `stores_in_memory`): other threads wait for the block to end."""
+        free = self._lock.acquire(blocking=False)
+        try:
+            yield free
+        finally:
+            if free:
+                self._lock.release()
+
+    @property
+    def has_shared_tier(self) -> bool:
+        """True with a Redis tier: lookup and fetch may then do network I/O (probing Redis)."""
+        return self._tiers.shared is not None
+
+    def stores_in_memory(self, nbytes: int) -> bool:
+        """Whether storing `nbytes` of new KV now would only copy into memory: write-back, a
+        memory top tier, and no eviction that writes a record tier (the disk writer's bounded
+        queue can block). Like `fetch_in_memory`, it lets the sidecar skip the thread hop."""
+        top = self._tiers.top
+        if self.config.durability != "write-back" or not self._tiers.keeps_slots(top):
+            return False
+        if all(tier.keeps_slots for tier in self._tiers.tiers.values()):
+            return True  # evictions only drop pages
+        with self._lock:
+            return not self._placement.quotas and self._placement.fits(top, nbytes)
+
+    def register_model_created(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:
+        """Like register_model; True when this call created the registration (HTTP 201)."""
+        check_model_name(model)
+        if not isinstance(spec, ModelSpec):
+            raise InvalidModelSpec(f"spec: expected a ModelSpec, got {type(spec).__name__}", field="spec")
+        with self._lock:
+            return self._registry.register(model, spec, tenant)[1]
+
+    def fetch_in_memory(self, model: str, tokens: Sequence[int], *, max_bytes: int, start: int = 0,
+                        tenant: str | None = None, into: torch.Tensor | None = None) -> FetchResult | None:
+        """`fetch` (to the CPU), done only if it waits on nothing and returns at most `max_bytes`:
+        every page it would read is in a memory tier, no Redis probe is due and no other thread
+        holds the store. None otherwise, with nothing done or counted. For a caller on an event
+        loop, where the copy costs less than a hop to a pool thread and back."""
+        if self.has_shared_tier:
+            return None  # a fetch may probe Redis for pages past the local match
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        start = check_start(start, len(tb) // TOKEN_BYTES)
+        with self.unless_busy() as free:
+            plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, CPU, into=check_into(into, CPU),
+                              memory_only_max_bytes=max_bytes) if free else None
+            return None if plan is None else plan.run()
+
+    def plan_fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
+                   device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
+        """What `fetch` would read, matched and pinned (after a shared-tier probe, if there is
+        one: I/O): `needs_io` says whether reading it waits on a record tier (disk, Redis),
+        `nbytes` how much it answers. `run()` it once, on any thread, for the FetchResult, or
+        `release()` it; `fetch` is `plan_fetch(...).run()`. The sidecar plans on its event loop
+        (inside `unless_busy`, without a shared tier) and runs a plan that needs I/O on a pool
+        thread, so the prompt is matched once."""
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        start = check_start(start, len(tb) // TOKEN_BYTES)
+        dev = check_device(device)
+        probe_shared(self._state, entry.namespace, entry.spec, tb)
+        plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
+        assert plan is not None
+        return plan
 
     # -- stats -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -360,7 +360,7 @@ def byte_tensor(payload: Any) -> torch.Tensor:
         return payload
     if isinstance(payload, memoryview) and not payload.readonly:
         # A Redis value's payload (a view of the buffer it was received into): torch warns only
-        # about read-only buffers, and entering catch_warnings cost three times the wrap itself.
+        # about read-only buffers, and entering catch_warnings costs more than the wrap itself.
         return torch.frombuffer(payload, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers: we never write them

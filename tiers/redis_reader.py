@@ -3,16 +3,16 @@ per value, or into buffers the caller gives, pipelined in batches on one connect
 
 Why not redis-py's own parser: it receives a reply in 64 KiB socket reads, copies each into
 hiredis' buffer and then the whole value into a new bytes object, with three Python calls per
-64 KiB; a 2 MiB value costs three copies and ~100 calls, and a pipeline of 32 such values
-measured slower than 32 single GETs (37 vs 25 ms). Here the value's bytes go from the socket
+64 KiB; a 2 MiB value costs three copies and a hundred-odd calls, and a pipeline of many such
+values ran slower than as many single GETs (docs/redis.md). Here the value's bytes go from the socket
 into the buffer they are decoded from, in as few `recv_into` calls as the kernel allows.
 
 - `pipelined_gets(pool, batches, ttl_s, ahead)` borrows one connection from a redis-py
   connection pool (so AUTH, SELECT, TLS and unix sockets are redis-py's), sends the GETs of up
   to `ahead` batches before reading the first, and yields each batch's values in order: the
   next batch's replies are on the wire while the caller decodes this one. Outstanding replies
-  stay bounded (Redis builds a pipeline's whole reply in memory first: 32 pipelined 2 MiB GETs
-  measured 36 ms, against 13 ms with 4 in flight).
+  stay bounded (Redis builds a pipeline's whole reply in memory first, so a deep pipeline of big
+  values is slower than a few in flight).
 - A value is a uint8 tensor (value bytes,) the caller may keep; a missing key is None; a
   per-key error reply (WRONGTYPE) is a `redis.ResponseError`, as in redis-py's pipelines.
 - A key may come with a `Receiver` instead, which reads its value from the reader in its own
@@ -252,8 +252,8 @@ def _send(conn: Any, keys: list[bytes], ttl_s: int | None) -> None:
 
 def pack_gets(keys: list[bytes], ttl_s: int | None) -> bytes:
     """GET (GETEX ... EX ttl_s) of each key in RESP, the bytes redis-py's `pack_commands` makes,
-    formatted here in one expression per key: redis-py's generic packer measured ~10x slower,
-    a share of a small page's read that pipelining cannot hide."""
+    formatted here in one expression per key: redis-py's generic packer is much slower, a share
+    of a small page's read that pipelining cannot hide."""
     if ttl_s:
         tail = b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)
         return b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%b%b" % (len(key), key, tail) for key in keys)
