@@ -1,6 +1,6 @@
 """Run every reliability scenario at full size and print the README's Reliability table.
 
-    python bench/chaos.py [--json FILE] [--load-s 60] [--crash-rounds 25]
+    python bench/chaos.py [--json FILE] [--load-s 60] [--crash-rounds 25] [--page-trials 500] [--only corruption]
 
 Scenarios live in bench/reliability/ (tests/reliability/ runs the same code small). Hostile
 input (schemathesis, hypothesis) and tenants are tests only: `pytest tests/reliability`.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.reliability.corruption import run_flips, run_payloads  # noqa: E402
+from bench.reliability.corruption import run_flips, run_page_damage, run_payloads  # noqa: E402
 from bench.reliability.crash import run_crash  # noqa: E402
 from bench.reliability.full_disk import run_full_disk  # noqa: E402
 from bench.reliability.load import run_load  # noqa: E402
@@ -27,13 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--crash-rounds", type=int, default=25)
     parser.add_argument("--load-s", type=float, default=60.0)
+    parser.add_argument("--page-trials", type=int, default=500, help="reopenings after leaf/branch page damage")
+    parser.add_argument("--only", choices=["corruption"], help="run only these scenarios")
     parser.add_argument("--json", help="write every report here")
     args = parser.parse_args(argv)
     rows: list[tuple[str, str]] = []
     reports: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for mode, rounds in (("write-through", args.crash_rounds), ("write-back", max(5, args.crash_rounds // 2))):
+        crash_modes = () if args.only else (("write-through", args.crash_rounds), ("write-back", max(5, args.crash_rounds // 2)))
+        for mode, rounds in crash_modes:
             began = time.perf_counter()
             r = run_crash(work / f"crash-{mode}", rounds=rounds, durability=mode, seed=7)
             reports[f"crash_{mode}"] = r
@@ -41,10 +44,20 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r.rounds} kills, {r.acked_stores} acked stores, {r.checked_sequences} fetches checked: "
                          f"{r.lost_acked} acked lost{' (allowed: write-back)' if mode == 'write-back' else ''}, {r.wrong_kv} wrong KV, {r.over_served} over-served, "
                          f"{r.repairs} LMDB repairs; restart {max(r.restart_s):.1f} s max ({time.perf_counter() - began:.0f} s)"))
+        began = time.perf_counter()
+        r = run_page_damage(work, trials=args.page_trials, seed=16)
+        reports["page_damage"] = r
+        rows.append(("1-4 bytes of LMDB leaf/branch pages overwritten while stopped, each reopen in a child",
+                     f"{r.trials} trials, {r.damaged} bytes in {r.pages_damaged} pages: {r.killed} processes killed, "
+                     f"{len(r.failed)} errors raised, {r.wrong_kv} wrong KV in {r.fetches} fetches, "
+                     f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, {r.quarantined} environments moved aside, "
+                     f"{r.corrupt_counted} corrupt records counted; {r.stored_after} new stores after, {r.stored_after_wrong} wrong "
+                     f"({time.perf_counter() - began:.0f} s)"))
         r = run_flips(work, trials=30, flips=(1, 8, 64, 512))
         reports["flips"] = r
-        rows.append(("random bytes of data.mdb overwritten while stopped",
-                     f"{r.trials} trials, {r.damaged} bytes: {r.wrong_kv} wrong KV in {r.fetches} fetches, "
+        rows.append(("random bytes of data.mdb overwritten while stopped, each reopen in a child",
+                     f"{r.trials} trials, {r.damaged} bytes: {r.killed} processes killed, {len(r.failed)} errors raised, "
+                     f"{r.wrong_kv} wrong KV in {r.fetches} fetches, "
                      f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, {r.quarantined} environments moved aside, "
                      f"{r.corrupt_counted} corrupt records counted"))
         r = run_payloads(work, records=20)
@@ -52,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("record payloads/headers rewritten through LMDB",
                      f"{r.damaged} records: {r.wrong_kv} wrong KV, {r.corrupt_counted} counted on /metrics, "
                      f"{r.corrupt_left} left in LMDB"))
+        if args.only:
+            _print(rows, reports, args.json)
+            return 0
         for mode in ("write-back", "write-through"):
             r = run_full_disk(work, durability=mode)
             reports[f"full_disk_{mode}"] = r
@@ -68,13 +84,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("slow clients (a byte a second) and connection limit",
                      f"{r.slow_cut_off}/{r.slow_clients} cut off with 408 (slowest {r.slow_cut_s:.1f} s, body timeout 2 s); "
                      f"{r.connections_refused} of {r.connections_tried} connections refused 503 at --max-connections 64"))
+    _print(rows, reports, args.json)
+    return 0
+
+
+def _print(rows: list[tuple[str, str]], reports: dict[str, object], json_path: str | None) -> None:
     print("| scenario | result | command |\n|---|---|---|")
     for name, result in rows:
         print(f"| {name} | {result} | `python bench/chaos.py` |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({k: {f: v for f, v in dataclasses.asdict(r).items() if f != "latencies_s"}  # type: ignore[call-overload]
+    if json_path:
+        Path(json_path).write_text(json.dumps({k: {f: v for f, v in dataclasses.asdict(r).items() if f != "latencies_s"}  # type: ignore[call-overload]
                                                for k, r in reports.items()}, indent=1, default=str))
-    return 0
 
 
 if __name__ == "__main__":
