@@ -14,12 +14,13 @@ Two arrangements cover vLLM's backends:
   `(num_blocks, H, B, 2 * D)` view whose last dim is K's D values then V's. NHD and HND are the
   same logical view with different strides, so one indexing serves both: torch's strided views
   do the layout, not this code.
-- `BlockPermutationLayout` (vLLM's CPU backend): each block is `H * 2 * B * D` contiguous values
-  whose order inside the block depends on the kernel's ISA (the K half is stored transposed,
-  or packed for AMX). The order is not written down anywhere we could check, so it is measured:
-  `probe_block_order` runs the backend's own cache-write op on one scratch block of coded
-  values and reads back where each (K or V, token, head, dim) landed. The result is a
-  permutation of the block's elements; gather and scatter are then one index op each.
+- vLLM's CPU backend: each block is `H * 2 * B * D` contiguous values whose order inside the
+  block depends on the kernel's ISA (the K half is stored transposed, or packed for AMX). The
+  order is not written down anywhere we could check, so it is measured: `probe_block_order`
+  runs the backend's own cache-write op on one scratch block of coded values and reads back
+  where each (K or V, token, head, dim) landed. Where K and V each land at fixed strides (the
+  'vec' kernels) that is a `StridedBlockLayout`, one strided copy per half; any other
+  arrangement is a `BlockPermutationLayout`, a permutation of the block's elements.
 
 No vLLM import here: the conversion is plain torch, so it is unit-tested on CPU tensors of every
 shape, and the CPU backend's writer is passed in.
@@ -98,18 +99,20 @@ class BlockPermutationLayout(PagedLayout):
         if order.shape != (expected,):
             raise ValueError(f"order: expected {expected} positions, got {tuple(order.shape)}")
         self.order = order.to(torch.long)
+        self.inverse = torch.argsort(self.order)  # inverse[p]: the canonical index held at block position p
 
     def _blocks(self, layer: torch.Tensor) -> torch.Tensor:
         if not layer.is_contiguous():
             raise UnsupportedLayout(f"{self.name}: expected a contiguous paged cache, got strides {layer.stride()}")
         return layer.view(layer.shape[0], -1)  # (num_blocks, block_elements)
 
+    # Whole rows first (index_select on blocks), then the permutation inside each row: two
+    # contiguous gathers, several times faster than one 2-D advanced index over the same values.
     def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         n = block_ids.numel()
-        blocks = self._blocks(layer)
-        # (n, 2 * B * H * D), in canonical order
-        picked = blocks[block_ids[:, None], self.order[None, :].to(blocks.device)]
-        kv = picked.view(n, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        rows = self._blocks(layer).index_select(0, block_ids)  # (n, block_elements), the block's order
+        kv = rows.index_select(1, self.order.to(rows.device)).view(n, 2, self.block_size, self.num_kv_heads,
+                                                                   self.head_dim)
         return kv.transpose(0, 1).reshape(2, n * self.block_size, self.num_kv_heads, self.head_dim)
 
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
@@ -117,7 +120,59 @@ class BlockPermutationLayout(PagedLayout):
         self._check_kv(kv, n)
         blocks = self._blocks(layer)
         canonical = kv.view(2, n, self.block_size, self.num_kv_heads, self.head_dim).transpose(0, 1).reshape(n, -1)
-        blocks[block_ids[:, None], self.order[None, :].to(blocks.device)] = canonical.to(blocks.dtype)
+        rows = canonical.to(blocks.dtype).index_select(1, self.inverse.to(blocks.device))  # (n, block_elements)
+        blocks.index_copy_(0, block_ids, rows)
+
+
+class StridedBlockLayout(PagedLayout):
+    """A block arrangement where K and V each sit at an offset inside the block with a stride per
+    (token, head, dim): a strided view of the pool per half, so a gather or scatter is one
+    strided copy instead of a permutation. vLLM's CPU 'vec' kernels (K stored (D, B) per head,
+    V (B, D)) are of this kind. `from_order` finds the strides or answers None."""
+
+    def __init__(self, name: str, block_size: int, num_kv_heads: int, head_dim: int,
+                 halves: tuple[tuple[int, tuple[int, int, int]], ...]):
+        self.name, self.block_size, self.num_kv_heads, self.head_dim = name, block_size, num_kv_heads, head_dim
+        self.halves = halves  # per K, V: (offset in the block, (token, head, dim) strides)
+
+    @classmethod
+    def from_order(cls, name: str, block_size: int, num_kv_heads: int, head_dim: int,
+                   order: torch.Tensor) -> "StridedBlockLayout | None":
+        B, H, D = block_size, num_kv_heads, head_dim
+        grid = order.view(2, B, H, D)
+        t, h, d = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(D), indexing="ij")
+        halves = []
+        for kv in range(2):
+            offset = int(grid[kv, 0, 0, 0])
+            strides = tuple(int(grid[(kv, *step)] - offset) if size > 1 else 0
+                            for step, size in (((1, 0, 0), B), ((0, 1, 0), H), ((0, 0, 1), D)))
+            if not torch.equal(grid[kv], offset + t * strides[0] + h * strides[1] + d * strides[2]):
+                return None
+            halves.append((offset, strides))
+        return cls(name, B, H, D, tuple(halves))
+
+    def _views(self, layer: torch.Tensor) -> list[torch.Tensor]:
+        if not layer.is_contiguous():
+            raise UnsupportedLayout(f"{self.name}: expected a contiguous paged cache, got strides {layer.stride()}")
+        block_elements = layer[0].numel()
+        return [layer.as_strided((layer.shape[0], self.block_size, self.num_kv_heads, self.head_dim),
+                                 (block_elements, *strides), layer.storage_offset() + offset)
+                for offset, strides in self.halves]  # K, V: (num_blocks, B, H, D) views
+
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        n = block_ids.numel()
+        out = torch.empty((2, n, self.block_size, self.num_kv_heads, self.head_dim), dtype=layer.dtype,
+                          device=layer.device)
+        for half, view in enumerate(self._views(layer)):
+            torch.index_select(view, 0, block_ids, out=out[half])
+        return out.view(2, n * self.block_size, self.num_kv_heads, self.head_dim)
+
+    def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        n = block_ids.numel()
+        self._check_kv(kv, n)
+        for half, view in enumerate(self._views(layer)):
+            view.index_copy_(0, block_ids, kv[half].view(n, self.block_size, self.num_kv_heads, self.head_dim)
+                             .to(layer.dtype))
 
 
 # A cache writer as vLLM's CPU backend has one: (key (T, H, D), value (T, H, D), slot_mapping (T,))

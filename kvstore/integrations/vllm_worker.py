@@ -25,7 +25,7 @@ import torch
 
 from kvstore import ModelSpec
 from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, PagedLayout,
-                                               UnsupportedLayout, probe_block_order)
+                                               StridedBlockLayout, UnsupportedLayout, probe_block_order)
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm_scheduler import LoadSpec, SaveSpec, StepMeta
 
@@ -54,7 +54,8 @@ def layout_for(backend: str, *, block_size: int, num_kv_heads: int, head_dim: in
         name = f"{backend}"
         order = probe_block_order(cpu_writer(), block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   dtype=dtype, name=name)
-        return BlockPermutationLayout(name, block_size, num_kv_heads, head_dim, order)
+        return StridedBlockLayout.from_order(f"{name}/strided", block_size, num_kv_heads, head_dim, order) \
+            or BlockPermutationLayout(f"{name}/permuted", block_size, num_kv_heads, head_dim, order)
     known = ", ".join((*CONTENT_SPLIT_BACKENDS, CPU_BACKEND))
     raise UnsupportedLayout(f"KVStoreConnector: attention backend {backend!r} has a paged KV layout kvstore does not "
                             f"know (known: {known})")

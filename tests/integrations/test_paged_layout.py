@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, UnsupportedLayout,
-                                               probe_block_order)
+from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, StridedBlockLayout,
+                                               UnsupportedLayout, probe_block_order)
 from kvstore.integrations.vllm_worker import layer_index, layout_for
 
 B, H, D, N = 32, 2, 8, 12  # block size, KV heads, head size, blocks in the pool
@@ -68,18 +68,32 @@ def transposed_k_writer(block, key, value, slots):
         halves[blk, :, b + off] = value[i]
 
 
-def test_probe_recovers_a_transposed_k_block_and_the_layout_round_trips():
-    order = probe_block_order(transposed_k_writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16,
-                              name="test")
-    layout = BlockPermutationLayout("test", B, H, D, order)
+def paired_k_writer(block, key, value, slots):
+    """A writer like AMX's VNNI packing: per head, K stored (D / 2, B, 2), V stored (B, D)."""
+    n, h, b, _ = block.shape
+    halves = block.view(n, h, 2 * b, -1)
+    for i, slot in enumerate(slots.tolist()):
+        blk, off = divmod(slot, b)
+        packed = halves[blk, :, :b].reshape(h, -1).view(h, -1, b, 2)  # (H, D / 2, B, 2)
+        packed[:, :, off, :] = key[i].view(h, -1, 2)
+        halves[blk, :, b + off] = value[i]
+
+
+@pytest.mark.parametrize("writer, kind", [(transposed_k_writer, StridedBlockLayout),
+                                          (paired_k_writer, BlockPermutationLayout)])
+def test_a_probed_block_order_round_trips_exactly_as_the_writer_stores(writer, kind):
+    order = probe_block_order(writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16, name="test")
+    layout = StridedBlockLayout.from_order("test", B, H, D, order) or BlockPermutationLayout("test", B, H, D, order)
+    assert isinstance(layout, kind)
     layer = torch.zeros((N, H, B, 2 * D), dtype=torch.bfloat16)
     kv = canonical_kv(len(BLOCKS))
     layout.scatter(layer, BLOCKS, kv)
     expected = torch.zeros_like(layer)  # what the writer itself produces for the same tokens
     slots = (BLOCKS[:, None] * B + torch.arange(B)).reshape(-1)
-    transposed_k_writer(expected, kv[0], kv[1], slots)
+    writer(expected, kv[0], kv[1], slots)
     assert torch.equal(layer, expected)
     assert torch.equal(layout.gather(expected, BLOCKS), kv)
+    assert torch.equal(BlockPermutationLayout("test", B, H, D, order).gather(expected, BLOCKS), kv)
 
 
 def dropping_writer(block, key, value, slots):
@@ -121,13 +135,15 @@ def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype):
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
     order = probe_block_order(write, block_size=B, num_kv_heads=H, head_dim=head_dim, dtype=dtype, name=isa)
-    layout = BlockPermutationLayout(f"CPU_ATTN/{isa}", B, H, head_dim, order)
+    strided = StridedBlockLayout.from_order(isa, B, H, head_dim, order)
+    layouts = [BlockPermutationLayout(isa, B, H, head_dim, order)] + ([strided] if strided else [])
     g = torch.Generator().manual_seed(1)
     kv = torch.randn((2, len(BLOCKS) * B, H, head_dim), generator=g).to(dtype)
     written = torch.zeros((N, H, B, 2 * head_dim), dtype=dtype)
     slots = (BLOCKS[:, None] * B + torch.arange(B)).reshape(-1)
     write(written, kv[0].contiguous(), kv[1].contiguous(), slots)
-    assert torch.equal(layout.gather(written, BLOCKS), kv)
-    scattered = torch.zeros_like(written)
-    layout.scatter(scattered, BLOCKS, kv)
-    assert torch.equal(scattered, written)
+    for layout in layouts:
+        assert torch.equal(layout.gather(written, BLOCKS), kv)
+        scattered = torch.zeros_like(written)
+        layout.scatter(scattered, BLOCKS, kv)
+        assert torch.equal(scattered, written)

@@ -155,10 +155,14 @@ def recomputed(llm: LLM, prompt: list[int], max_tokens: int = 8) -> list[int]:
     return tokens
 
 
-def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]], salts=None) -> list[dict]:
+def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]], salts=None,
+                     multiprocessing: bool = False) -> list[dict]:
+    """Outputs of a new engine process; with `multiprocessing`, vLLM's own worker process too."""
     job = {"model": str(checkpoint), "extra": extra, "prompts": prompts, "salts": salts, "max_tokens": 8,
            "engine": ENGINE}
-    done = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
+    done = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True, timeout=300,
+                          env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])["outputs"]
@@ -195,7 +199,9 @@ def test_an_in_process_store_serves_a_restarted_engine_from_its_disk_tier(checkp
     # The second prompt under a salt of its own: a tenant with nothing stored, so a full prefill.
     cold = run_fresh_engine(checkpoint, extra, [first, second], salts=[None, "cold"])
     assert [o["cached"] for o in cold] == [0, 0]
-    (restarted,) = run_fresh_engine(checkpoint, extra, [second])  # a new process: only the disk tier remains
+    # A new process, only the disk tier left; vLLM's worker in a process of its own, served the
+    # store by the scheduler's process (the connector's loopback sidecar).
+    (restarted,) = run_fresh_engine(checkpoint, extra, [second], multiprocessing=True)
     assert restarted == {"tokens": cold[1]["tokens"], "cached": PREFIX}
     # Every stored page of the first engine is damaged on disk; the index still lists them, so
     # the next engine is promised the prefix, finds it corrupt when loading, and recomputes.
