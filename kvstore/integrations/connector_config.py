@@ -1,6 +1,7 @@
 """The connector's settings: `kv_connector_extra_config`, read into one frozen, validated dataclass.
 
-    {"url": "http://127.0.0.1:8100", "token": "...", "tokens": {"<cache_salt>": "<token>"}}   a sidecar
+    {"url": "http://127.0.0.1:8100", "token": "...", "tokens": {"<cache_salt>": "<token>"},
+     "shared_memory_bytes": "256MiB"}                                                          a sidecar
     {"data_dir": "./kvstore-data", "cpu_bytes": "8GiB", "disk_bytes": "64GiB", ...}            in-process
 
 plus, in both, `model` (the store's model name), `timeout_s` and `page_size`. The in-process
@@ -23,7 +24,7 @@ from typing import Any, Mapping
 from kvstore import StoreConfig
 from kvstore.sizes import parse_bytes
 
-SIDECAR_KEYS = ("url", "token", "tokens")
+SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes")
 COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s")
 STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreConfig))
 DEFAULT_PAGE_SIZE = 16  # the decode loop's (decode/loader.py): the same pages serve both
@@ -36,6 +37,7 @@ class ConnectorConfig:
     url: str | None = None
     token: str | None = None  # bearer token of requests without a cache_salt
     tokens: tuple[tuple[str, str], ...] = ()  # (cache_salt, bearer token) pairs, sorted
+    shared_memory_bytes: int | None = None  # the client's arena (None: 256 MiB on loopback, 0: off, TCP only)
     store: StoreConfig | None = None
     model: str | None = None  # None: vLLM's served model name (a directory's own name for a path)
     timeout_s: float = 5.0  # longest a step waits on the store; past it the tokens are recomputed
@@ -56,6 +58,9 @@ class ConnectorConfig:
             raise ValueError(f"page_size: must be an integer in [1, 4096], got {self.page_size!r}")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"model: expected a non-empty string, got {self.model!r}")
+        if self.shared_memory_bytes is not None and (isinstance(self.shared_memory_bytes, bool) or not isinstance(
+                self.shared_memory_bytes, int) or self.shared_memory_bytes < 0):
+            raise ValueError(f"shared_memory_bytes: expected a byte count >= 0, got {self.shared_memory_bytes!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("token: expected a non-empty string")
 
@@ -74,8 +79,9 @@ class ConnectorConfig:
         if "url" in extra and store_keys:
             raise ValueError(f"kv_connector_extra_config.{store_keys[0]}: a store setting, but url names a sidecar; "
                              f"configure that sidecar instead (kvstore serve)")
-        if "url" not in extra and set(extra) & {"token", "tokens"}:
-            raise ValueError("kv_connector_extra_config.token: tokens are for a sidecar; set url too")
+        sidecar_only = sorted(set(extra) & {"token", "tokens", "shared_memory_bytes"})
+        if "url" not in extra and sidecar_only:
+            raise ValueError(f"kv_connector_extra_config.{sidecar_only[0]}: a sidecar setting; set url too")
         kwargs: dict[str, Any] = {}
         try:
             for name in COMMON_KEYS:
@@ -84,6 +90,9 @@ class ConnectorConfig:
             if "url" in extra:
                 kwargs["url"], kwargs["token"] = extra["url"], extra.get("token")
                 kwargs["tokens"] = _salt_tokens(extra.get("tokens", {}))
+                if "shared_memory_bytes" in extra:
+                    kwargs["shared_memory_bytes"] = parse_bytes(extra["shared_memory_bytes"],
+                                                                field="shared_memory_bytes")
             else:
                 kwargs["store"] = StoreConfig(**{k: _store_value(k, extra[k]) for k in store_keys})
             return cls(**kwargs)

@@ -119,7 +119,8 @@ class StoreLink:
         with self._lock:
             client = self._clients.get(key)
             if client is None:
-                client = self._clients[key] = KVStoreClient(self.url, token=token, timeout_s=self.config.timeout_s)
+                client = self._clients[key] = KVStoreClient(self.url, token=token, timeout_s=self.config.timeout_s,
+                                                            shared_memory_bytes=self.config.shared_memory_bytes)
         return client, None
 
     def usable(self, salt: str | None) -> bool:

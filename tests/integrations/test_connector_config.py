@@ -12,7 +12,9 @@ from kvstore.integrations.vllm_model import model_spec, store_model_name
 
 def test_sidecar_settings_with_per_salt_tokens():
     config = ConnectorConfig.from_extra_config({"url": "http://127.0.0.1:8100", "token": "t0",
-                                                "tokens": {"alice": "ta", "bob": "tb"}, "timeout_s": 2})
+                                                "tokens": {"alice": "ta", "bob": "tb"}, "timeout_s": 2,
+                                                "shared_memory_bytes": "0"})
+    assert config.shared_memory_bytes == 0
     assert config.url == "http://127.0.0.1:8100" and config.store is None and config.timeout_s == 2
     assert config.token_for(None) == "t0" and config.token_for("alice") == "ta" and config.token_for("eve") is None
 
@@ -29,6 +31,8 @@ def test_in_process_settings_take_kvstore_serve_names_and_units(tmp_path):
     ({"url": "http://h:1", "cpu_byts": "1GiB"}, "cpu_byts"),
     ({"url": "http://h:1", "cpu_bytes": "1GiB"}, "cpu_bytes"),
     ({"token": "t"}, "token"),
+    ({"shared_memory_bytes": "1MiB"}, "shared_memory_bytes"),
+    ({"url": "http://h:1", "shared_memory_bytes": -1}, "shared_memory_bytes"),
     ({"cpu_bytes": "lots"}, "cpu_bytes"),
     ({"cpu_bytes": 0, "disk_bytes": 0}, "cpu_bytes"),
     ({"url": "h:1"}, "url"),
