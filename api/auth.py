@@ -64,7 +64,8 @@ def load_auth_file(path: str) -> AuthFile:
             if max_bytes <= 0:
                 raise ValueError(f"{where} (tenant {tenant!r}): max_bytes must be > 0")
             if quotas.get(tenant, max_bytes) != max_bytes:
-                raise ValueError(f"{where} (tenant {tenant!r}): max_bytes differs from another entry of the same tenant")
+                raise ValueError(f"{where} (tenant {tenant!r}): max_bytes differs from another entry "
+                                 "of the same tenant")
             quotas[tenant] = max_bytes
         tokens[token.encode()] = tenant
     return AuthFile(tokens, quotas)

@@ -1,6 +1,6 @@
 """Python clients of the sidecar: `KVStoreClient` (sync, own HTTP/1.1 connection) and `AsyncKVStoreClient`
-(the same client on a thread pool, for asyncio). Same methods and result types as the in-process `KVStore`, so the decode loop takes
-either through `KVCacheBackend`; errors are the same `KVStoreError` subclasses; a server that
+(the same client on a thread pool, for asyncio). Same methods and result types as the in-process `KVStore`,
+so the decode loop takes either through `KVCacheBackend`; errors are the same `KVStoreError` subclasses; a server that
 cannot be reached (refused, reset, timed out) is `BackendUnavailable`.
 
 The sync client keeps persistent connections (a small pool, so one client is thread-safe),
@@ -111,9 +111,11 @@ class KVStoreClient:
                     return self._fetch_result(model, obj, device)
                 if placed.get("offset") != offset or not 0 <= placed.get("nbytes", -1) <= wanted:
                     arena.release(offset, wanted)
-                    raise BackendUnavailable(f"{self.url}: fetch answered shm {placed!r}, asked for ({offset}, {wanted})")
+                    raise BackendUnavailable(f"{self.url}: fetch answered shm {placed!r}, "
+                                             f"asked for ({offset}, {wanted})")
                 return self._fetch_result(model, obj, device, raw=arena.adopt(offset, wanted, placed["nbytes"]))
-        return self._fetch_result(model, self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start)]), device)
+        answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start)])
+        return self._fetch_result(model, answer, device)
 
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
               tenant: str | None = None) -> StoreResult:

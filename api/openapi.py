@@ -48,39 +48,56 @@ SCHEMAS: dict[str, Any] = {
                                               "description": "tier -> matched tokens it serves"}}},
     "StoreRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
                      "description": "exactly one of kv and shm",
-                     "properties": {"model": _model, "tokens": _tokens, "kv": {**_kv, "description": _kv["description"] + "; covers tokens[start:]"},
-                                    "shm": {**_shm, "description": "where kv's bytes are, instead of kv: " + _shm["description"]},
-                                    "start": _start, "dtype": {"enum": list(DTYPE_BYTES), "description": "optional check of kv's dtype"}}},
+                     "properties": {"model": _model, "tokens": _tokens,
+                                    "kv": {**_kv, "description": _kv["description"] + "; covers tokens[start:]"},
+                                    "shm": {**_shm, "description": "where kv's bytes are, instead of kv: "
+                                                                   + _shm["description"]},
+                                    "start": _start,
+                                    "dtype": {"enum": list(DTYPE_BYTES),
+                                              "description": "optional check of kv's dtype"}}},
     "StoreResult": {"type": "object", "required": ["stored_tokens", "new_pages"],
                     "properties": {"stored_tokens": _int, "new_pages": _int}},
     "FetchRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
                      "properties": {"model": _model, "tokens": _tokens, "start": _start,
-                                    "shm": {**_shm, "description": "write the answer's kv here if it fits: " + _shm["description"]}}},
-    "FetchResult": {"type": "object", "required": ["matched_tokens"], "description": "kv, or shm when the kv was written to shared memory",
+                                    "shm": {**_shm, "description": "write the answer's kv here if it fits: "
+                                                                   + _shm["description"]}}},
+    "FetchResult": {"type": "object", "required": ["matched_tokens"],
+                    "description": "kv, or shm when the kv was written to shared memory",
                     "properties": {"matched_tokens": _int,
-                                   "kv": {**_kv, "type": ["string", "null"], "description": "covers tokens[start:matched_tokens]; null on a miss"},
-                                   "shm": {**_shm, "description": "the kv's bytes were written at this region of the shared memory"},
+                                   "kv": {**_kv, "type": ["string", "null"],
+                                          "description": "covers tokens[start:matched_tokens]; null on a miss"},
+                                   "shm": {**_shm, "description": "the kv's bytes were written at this region "
+                                                                  "of the shared memory"},
                                    "dtype": {"enum": list(DTYPE_BYTES)},
                                    "shape": {"type": "array", "items": _int, "minItems": 5, "maxItems": 5}}},
     "ChunkStoreRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
                           "description": "exactly one of kv and shm",
                           "properties": {"model": _model, "tokens": _tokens,
-                                         "kv": {**_kv, "description": _kv["description"] + "; the chunk computed standalone at positions 0..T-1"},
-                                         "shm": {**_shm, "description": "where kv's bytes are, instead of kv: " + _shm["description"]},
-                                         "dtype": {"enum": list(DTYPE_BYTES), "description": "optional check of kv's dtype"}}},
+                                         "kv": {**_kv, "description": _kv["description"]
+                                                + "; the chunk computed standalone at positions 0..T-1"},
+                                         "shm": {**_shm, "description": "where kv's bytes are, instead of kv: "
+                                                                        + _shm["description"]},
+                                         "dtype": {"enum": list(DTYPE_BYTES),
+                                                   "description": "optional check of kv's dtype"}}},
     "BlendRequest": {"type": "object", "required": ["model", "chunks"], "additionalProperties": False,
                      "properties": {"model": _model, "chunks": {"type": "array", "minItems": 1, "items": _tokens},
-                                    "start_pos": {**_int, "default": 0, "description": "position of the first chunk's first token"}}},
+                                    "start_pos": {**_int, "default": 0,
+                                                  "description": "position of the first chunk's first token"}}},
     "BlendResult": {"type": "object", "required": ["hits", "positions", "kv"],
-                    "properties": {"hits": {"type": "array", "items": {"type": "boolean"}, "description": "per chunk: the store held all of it"},
-                                   "positions": {"type": "array", "items": {"type": "array", "items": _int, "minItems": 2, "maxItems": 2},
+                    "properties": {"hits": {"type": "array", "items": {"type": "boolean"},
+                                            "description": "per chunk: the store held all of it"},
+                                   "positions": {"type": "array",
+                                                 "items": {"type": "array", "items": _int,
+                                                           "minItems": 2, "maxItems": 2},
                                                  "description": "per chunk: [start, end) positions in the new prompt"},
-                                   "kv": {**_kv, "description": "the chunks' KV end to end, K re-rotated to `positions`; missed chunks are zeros"},
+                                   "kv": {**_kv, "description": "the chunks' KV end to end, K re-rotated to "
+                                                                "`positions`; missed chunks are zeros"},
                                    "dtype": {"enum": list(DTYPE_BYTES)},
                                    "shape": {"type": "array", "items": _int, "minItems": 5, "maxItems": 5}}},
     "SharedMemoryRequest": {
         "type": "object", "required": ["pid", "fd", "nbytes", "secret"], "additionalProperties": False,
-        "description": "a memfd of the client (same host and user), sealed against shrinking, whose first 32 bytes are `secret`",
+        "description": "a memfd of the client (same host and user), sealed against shrinking, "
+                       "whose first 32 bytes are `secret`",
         "properties": {"pid": {"type": "integer", "minimum": 1}, "fd": _int, "nbytes": _int,
                        "secret": {"type": "string", "format": "binary", "minLength": 32, "maxLength": 32}}},
     "SharedMemoryResult": {"type": "object", "required": ["nbytes"], "properties": {"nbytes": _int}},
@@ -91,7 +108,8 @@ SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"],
               "properties": {"error": {"type": "object", "required": ["code", "message"],
                                        "properties": {"code": {"type": "string"},
-                                                      "message": {"type": "string", "description": "names the field at fault"}}}}},
+                                                      "message": {"type": "string",
+                                                                  "description": "names the field at fault"}}}}},
 }
 
 
@@ -108,10 +126,11 @@ def _ok(name: str, media: tuple[str, ...] = (MSGPACK, JSON), status: str = "200"
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
-    return {str(s): {"description": d, "content": {MSGPACK: {"schema": _ref("Error")}, JSON: {"schema": _ref("Error")}}}
+    return {str(s): {"description": d,
+                     "content": {MSGPACK: {"schema": _ref("Error")}, JSON: {"schema": _ref("Error")}}}
             for s, d in ((400, "bad input; the message names the field"), (401, "missing or unknown bearer token"),
-                         (403, "shared memory refused: disabled, another host or user, not a sealed memfd, wrong secret, "
-                               "or none registered on this connection"),
+                         (403, "shared memory refused: disabled, another host or user, not a sealed memfd, "
+                               "wrong secret, or none registered on this connection"),
                          (404, "unknown model"), (409, "a different spec is registered under this name"),
                          (413, "body over --max-body-bytes"), (415, "Content-Type is neither msgpack nor JSON"),
                          (422, "the model's RoPE scaling cannot be re-rotated exactly (dynamic, yarn, longrope)"),
@@ -126,9 +145,11 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}},
     ("GET", "/openapi.json"): {"summary": "This document", "responses": {
         "200": {"description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}}}},
-    ("GET", "/v1/stats"): {"summary": "Per-tier store statistics", "responses": {**_ok("Stats", (JSON,)), **_errors(*_v1)}},
+    ("GET", "/v1/stats"): {"summary": "Per-tier store statistics",
+                           "responses": {**_ok("Stats", (JSON,)), **_errors(*_v1)}},
     ("PUT", "/v1/models/{model}"): {
-        "summary": "Register a model's KV layout (idempotent)", "parameters": _path_model, "requestBody": _body("ModelSpec"),
+        "summary": "Register a model's KV layout (idempotent)", "parameters": _path_model,
+        "requestBody": _body("ModelSpec"),
         "responses": {**_ok("ModelSpec", text="the same spec was already registered"),
                       **_ok("ModelSpec", status="201", text="registered"), **_errors(400, 401, 409, 413, 415)}},
     ("GET", "/v1/models/{model}"): {"summary": "A registered model's spec", "parameters": _path_model,
@@ -138,16 +159,20 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/shm"): {"summary": "Register the client's shared memory on this connection (same host only)",
                           "requestBody": _body("SharedMemoryRequest"),
                           "responses": {**_ok("SharedMemoryResult"), **_errors(400, 401, 403, 413, 415)}},
-    ("POST", "/v1/lookup"): {"summary": "How many leading tokens are cached, per tier", "requestBody": _body("LookupRequest"),
+    ("POST", "/v1/lookup"): {"summary": "How many leading tokens are cached, per tier",
+                             "requestBody": _body("LookupRequest"),
                              "responses": {**_ok("LookupResult"), **_errors(400, 401, 404, 413, 415)}},
     ("POST", "/v1/store"): {"summary": "Store the KV of tokens[start:]", "requestBody": _body("StoreRequest"),
                             "responses": {**_ok("StoreResult"), **_errors(400, 401, 403, 404, 413, 415, 507)}},
-    ("POST", "/v1/fetch"): {"summary": "The cached KV of the longest matching prefix, from start", "requestBody": _body("FetchRequest"),
+    ("POST", "/v1/fetch"): {"summary": "The cached KV of the longest matching prefix, from start",
+                            "requestBody": _body("FetchRequest"),
                             "responses": {**_ok("FetchResult"), **_errors(400, 401, 403, 404, 413, 415)}},
-    ("POST", "/v1/chunks/store"): {"summary": "Store a chunk's standalone KV under its position-independent chunk key (CacheBlend)",
+    ("POST", "/v1/chunks/store"): {"summary": "Store a chunk's standalone KV under its position-independent chunk key "
+                                              "(CacheBlend)",
                                    "requestBody": _body("ChunkStoreRequest"),
                                    "responses": {**_ok("StoreResult"), **_errors(400, 401, 403, 404, 413, 415, 507)}},
-    ("POST", "/v1/blend"): {"summary": "The chunks' KV end to end from start_pos, K re-rotated; per-chunk hits (CacheBlend)",
+    ("POST", "/v1/blend"): {"summary": "The chunks' KV end to end from start_pos, K re-rotated; per-chunk hits "
+                                       "(CacheBlend)",
                             "requestBody": _body("BlendRequest"),
                             "responses": {**_ok("BlendResult"), **_errors(400, 401, 404, 413, 415, 422)}},
 }

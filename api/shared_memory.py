@@ -119,7 +119,8 @@ class SharedMemoryArenas:
     def open(self, registration: Registration) -> Arena:
         """Blocking (opens and maps the client's memfd): call it off the event loop."""
         if not self.enabled:
-            raise SharedMemoryRefused("shm: shared memory is disabled on this sidecar (--no-shared-memory)", field="shm")
+            raise SharedMemoryRefused("shm: shared memory is disabled on this sidecar (--no-shared-memory)",
+                                      field="shm")
         return Arena(registration)
 
     def bind(self, transport: asyncio.BaseTransport | None, arena: Arena) -> None:

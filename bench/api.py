@@ -68,7 +68,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_clients(clients: int, seconds: float, nbytes: int, make_op: Callable[[int], Callable[[int], None]]) -> tuple[int, float, list[float]]:
+def run_clients(clients: int, seconds: float, nbytes: int,
+                make_op: Callable[[int], Callable[[int], None]]) -> tuple[int, float, list[float]]:
     """`clients` threads call their op in a loop for `seconds`; -> (ops, elapsed_s, latencies_s)."""
     latencies: list[list[float]] = [[] for _ in range(clients)]
     ops = [make_op(c) for c in range(clients)]
@@ -102,7 +103,8 @@ def run_clients(clients: int, seconds: float, nbytes: int, make_op: Callable[[in
     return len(flat), elapsed, flat
 
 
-def summarize(system: str, op: str, size: str, clients: int, nbytes: int, result: tuple[int, float, list[float]]) -> Cell:
+def summarize(system: str, op: str, size: str, clients: int, nbytes: int,
+              result: tuple[int, float, list[float]]) -> Cell:
     n, elapsed, lat = result
     lat_ms = np.array(lat) * 1e3
     return Cell(system, op, size, clients, n, n * nbytes / elapsed / 1e6,
@@ -126,7 +128,8 @@ def merge_rounds(cells: list[Cell]) -> list[Cell]:
 def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--data-dir",
-                             str(tmp / "data"), "--cpu-bytes", str(CPU_BYTES), "--disk-bytes", "0", "--log-level", "warning"],
+                             str(tmp / "data"), "--cpu-bytes", str(CPU_BYTES), "--disk-bytes", "0",
+                             "--log-level", "warning"],
                             stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     line = proc.stdout.readline()
     if not line:
@@ -265,7 +268,8 @@ def loopback_mb_per_s(seconds: float = 1.0, block: int = 2 << 20) -> float:
 def table(cells: list[Cell], loopback: float, redis_note: str | None) -> str:
     by = {(c.system, c.op, c.size, c.clients): c for c in cells}
     lines = [f"loopback TCP, one stream: {loopback:,.0f} MB/s" + (f"   ({redis_note})" if redis_note else ""),
-             "| value | clients | op | transport | sidecar MB/s | p50 ms | p99 ms | redis-py MB/s | p50 ms | p99 ms | ratio | target |",
+             "| value | clients | op | transport | sidecar MB/s | p50 ms | p99 ms "
+             "| redis-py MB/s | p50 ms | p99 ms | ratio | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (system, op, size, clients), c in by.items():
         if not system.startswith("sidecar"):
@@ -276,8 +280,8 @@ def table(cells: list[Cell], loopback: float, redis_note: str | None) -> str:
         ratio = c.mb_per_s / r.mb_per_s if r else None
         verdict = "" if target is None or ratio is None else (f">= {target} {'ok' if ratio >= target else 'MISS'}")
         rcols = f"{r.mb_per_s:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f}" if r else "- | - | -"
-        lines.append(f"| {size} | {clients} | {op} | {transport} | {c.mb_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} | {rcols} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {verdict} |")
+        lines.append(f"| {size} | {clients} | {op} | {transport} | {c.mb_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} "
+                     f"| {rcols} | {'-' if ratio is None else f'{ratio:.2f}x'} | {verdict} |")
     return "\n".join(lines)
 
 

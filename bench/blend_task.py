@@ -141,7 +141,8 @@ def make_example(rng: random.Random, pool: list[Chunk], num_chunks: int) -> Exam
             return Example(prefix, [list(c.tokens) for c in chunks], [Q, QUERY0 + marker], answer)
 
 
-def training_sequence(rng: random.Random, num_chunks: int, num_questions: int) -> tuple[list[int], list[int], list[int]]:
+def training_sequence(rng: random.Random, num_chunks: int,
+                      num_questions: int) -> tuple[list[int], list[int], list[int]]:
     """A training prompt (fresh chunks) with question/answer pairs appended; returns the tokens,
     the indices of the answers (the main loss) and of fillers that continue a progression (the
     auxiliary loss). Half the prompts ask about any marker, half only about cross-chunk ones."""

@@ -94,8 +94,8 @@ def train(out_dir: Path, *, steps: int, seed: int = 0, threads: int | None = Non
         if step % 250 == 0 or step == steps - 1:
             acc = accuracy(model.eval(), random.Random(10_000 + step), 64)
             model.train()
-            bar.write(f"step {step}: answer loss {main.item():.4f}, filler loss {aux.item():.4f}, answer accuracy {acc:.3f}, "
-                      f"{time.perf_counter() - started:.0f} s")
+            bar.write(f"step {step}: answer loss {main.item():.4f}, filler loss {aux.item():.4f}, "
+                      f"answer accuracy {acc:.3f}, {time.perf_counter() - started:.0f} s")
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -88,38 +88,42 @@ def run(page_kib: list[int], batches: list[int], peak: float | None, ceiling: fl
     for kib in page_kib:
         L = max(1, (kib << 10) // (2 * P * H * D * 2))
         spec = ModelSpec(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16", page_size=P)
-        pb = spec.page_bytes
         for n in batches:
-            nb = max(2 * n, 64)
-            cache = torch.randn(nb, L, 2, P, H, D, device="cuda", dtype=torch.float16)  # (num_blocks, L, 2, P, H, D)
-            ids = torch.randperm(nb, device="cuda")[:n].contiguous()
-            kv = torch.empty(L, 2, n * P, H, D, device="cuda", dtype=torch.float16)  # (L, 2, T, H, D)
-            blocks = torch.empty(n, L, 2, P, H, D, device="cuda", dtype=torch.float16)
-            moved = 2 * n * pb
-            record("gather", pb, n, moved, time_s(lambda: gather_pages(cache, ids, out=kv, check_bounds=False)),
-                   time_s(lambda: torch.index_select(cache, 0, ids, out=blocks)), "index_select")
-            record("scatter", pb, n, moved, time_s(lambda: scatter_pages(kv, cache, ids, check_bounds=False)),
-                   time_s(lambda: cache.index_copy_(0, ids, blocks)), "index_copy_")
-            rows_ = kv.numel() // D
-            for fmt in ("int8", "fp8"):
-                q = torch.empty(kv.shape, device="cuda", dtype=torch.uint8)
-                s = torch.empty(kv.shape[:-1], device="cuda", dtype=torch.bfloat16)
-                qbytes = kv.numel() * 3 + rows_ * 2  # read 2 B, write 1 B per element, plus scales
-                record(f"quantize_{fmt}", pb, n, qbytes, time_s(lambda: quantize(kv, fmt, q_out=q, scale_out=s)),
-                       time_s(lambda: quantize_ref(kv, fmt)), "torch ops")
-                qv, sv = quantize(kv, fmt)
-                record(f"dequantize_{fmt}", pb, n, qbytes, time_s(lambda: dequantize(qv, sv, fmt, torch.float16, out=kv)),
-                       time_s(lambda: dequantize_ref(qv, sv, torch.float16)), "torch ops")
-            k = kv[:, 0]
-            delta = torch.full((n * P,), 4096, device="cuda")
-            record("rope_rerotate", pb, n, 2 * k.numel() * 2,
-                   time_s(lambda: rope_rerotate(k, delta, theta=5e5, style="neox", out=k)),
-                   time_s(lambda: rope_rerotate_ref(k, delta, theta=5e5, style="neox")), "torch ops")
+            _device_rows(spec, n, record)
             if n <= 64:  # PCIe rows: per-page calls, as the store makes them
                 _pcie(spec, n, record, int8)
-            del cache, kv, blocks
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the batch's tensors died with _device_rows' frame
     return rows
+
+
+def _device_rows(spec: ModelSpec, n: int, record: Callable[..., None]) -> None:
+    """The on-device kernels for a batch of `n` pages, each next to its torch equivalent."""
+    L, pb = spec.num_layers, spec.page_bytes
+    nb = max(2 * n, 64)
+    cache = torch.randn(nb, L, 2, P, H, D, device="cuda", dtype=torch.float16)  # (num_blocks, L, 2, P, H, D)
+    ids = torch.randperm(nb, device="cuda")[:n].contiguous()
+    kv = torch.empty(L, 2, n * P, H, D, device="cuda", dtype=torch.float16)  # (L, 2, T, H, D)
+    blocks = torch.empty(n, L, 2, P, H, D, device="cuda", dtype=torch.float16)
+    moved = 2 * n * pb
+    record("gather", pb, n, moved, time_s(lambda: gather_pages(cache, ids, out=kv, check_bounds=False)),
+           time_s(lambda: torch.index_select(cache, 0, ids, out=blocks)), "index_select")
+    record("scatter", pb, n, moved, time_s(lambda: scatter_pages(kv, cache, ids, check_bounds=False)),
+           time_s(lambda: cache.index_copy_(0, ids, blocks)), "index_copy_")
+    scale_rows = kv.numel() // D
+    for fmt in ("int8", "fp8"):
+        q = torch.empty(kv.shape, device="cuda", dtype=torch.uint8)
+        s = torch.empty(kv.shape[:-1], device="cuda", dtype=torch.bfloat16)
+        qbytes = kv.numel() * 3 + scale_rows * 2  # read 2 B, write 1 B per element, plus scales
+        record(f"quantize_{fmt}", pb, n, qbytes, time_s(lambda: quantize(kv, fmt, q_out=q, scale_out=s)),
+               time_s(lambda: quantize_ref(kv, fmt)), "torch ops")
+        qv, sv = quantize(kv, fmt)
+        record(f"dequantize_{fmt}", pb, n, qbytes, time_s(lambda: dequantize(qv, sv, fmt, torch.float16, out=kv)),
+               time_s(lambda: dequantize_ref(qv, sv, torch.float16)), "torch ops")
+    k = kv[:, 0]
+    delta = torch.full((n * P,), 4096, device="cuda")
+    record("rope_rerotate", pb, n, 2 * k.numel() * 2,
+           time_s(lambda: rope_rerotate(k, delta, theta=5e5, style="neox", out=k)),
+           time_s(lambda: rope_rerotate_ref(k, delta, theta=5e5, style="neox")), "torch ops")
 
 
 def _pcie(spec: ModelSpec, n: int, record: Callable[..., None], int8: Any) -> None:
@@ -189,7 +193,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "peak_gbs": peak, "copy_gbs": ceiling, "torch": torch.__version__,
-                       "rows": rows}, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+                       "rows": rows}, f, indent=1,
+                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
         print(f"wrote {args.json}")
 
 

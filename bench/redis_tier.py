@@ -1,7 +1,8 @@
 """Redis tier throughput: a 2 MiB page fetched through the store's Redis tier against a raw
 redis-py GET of the same value, and a multi-page fetch pipelined against page-by-page.
 
-    python bench/redis_tier.py [--pages 32] [--repeat 9] [--one-page-repeat N] [--redis-url redis://...] [--json out.json]
+    python bench/redis_tier.py [--pages 32] [--repeat 9] [--one-page-repeat N] [--redis-url redis://...] \\
+        [--json out.json]
 
 Without --redis-url it starts its own redis-server on a free loopback port (needs redis-server
 on PATH). The store is Redis-only (no CPU or disk tier), so every fetch reads Redis; the
@@ -93,7 +94,8 @@ class Server:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def stored_prompt(store: KVStore, spec: ModelSpec, pages: int, seed: int) -> tuple[list[int], torch.Tensor, list[bytes]]:
+def stored_prompt(store: KVStore, spec: ModelSpec, pages: int,
+                  seed: int) -> tuple[list[int], torch.Tensor, list[bytes]]:
     """Store `pages` pages through the store, wait for Redis to hold them, fetch once (the index
     then knows them: later fetches are steady-state Redis reads). Returns tokens, KV, Redis keys."""
     n = pages * spec.page_size
@@ -181,8 +183,8 @@ def main() -> None:
                            ("pipelined_vs_raw_gets", "raw GET per page"),
                            ("pipelined_vs_raw_pipeline", "raw pipelined GETs")):
             c = r[key]
-            print(f"{name} x{r['pages']} fetch: pipelined {c['subject_s'] * 1e3:.1f} ms ({total / c['subject_s']:.0f} MB/s) "
-                  f"vs {label} {c['baseline_s'] * 1e3:.1f} ms -> {c['ratio']:.2f}x")
+            print(f"{name} x{r['pages']} fetch: pipelined {c['subject_s'] * 1e3:.1f} ms "
+                  f"({total / c['subject_s']:.0f} MB/s) vs {label} {c['baseline_s'] * 1e3:.1f} ms -> {c['ratio']:.2f}x")
         w = r["wire_pipelined_vs_one_by_one"]
         print(f"{name} x{r['pages']} wire only (tier's reader, no decode): pipelined {w['subject_s'] * 1e3:.1f} ms "
               f"({total / w['subject_s']:.0f} MB/s) vs one GET per round trip {w['baseline_s'] * 1e3:.1f} ms "

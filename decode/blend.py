@@ -66,7 +66,8 @@ def cache_tokens(prefix: Sequence[int], chunks: Sequence[Sequence[int]], questio
 class ChunkReuse(PrefixReuse):
     """PrefixReuse plus the chunk calls: blend, and store_chunk of the chunks computed here."""
 
-    def load_chunks(self, chunks: list[list[int]], start_pos: int) -> tuple[list[bool], torch.Tensor | None, str | None]:
+    def load_chunks(self, chunks: list[list[int]],
+                    start_pos: int) -> tuple[list[bool], torch.Tensor | None, str | None]:
         """(hits, KV (L, 2, T, H, D) of all chunks at their positions or None, error)."""
         error = self.register()
         if error:
@@ -97,7 +98,8 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
     """Prefill [prefix][chunks][question] into `table` (reserved for the whole sequence) and
     return the last token's logits. `reuse` None: no store, every chunk computed standalone."""
     if not question:
-        raise ValueError("prompt_tokens: the question after the chunks must not be empty (its last token gives the logits)")
+        raise ValueError("prompt_tokens: the question after the chunks must not be empty "
+                         "(its last token gives the logits)")
     started = time.perf_counter()
     try:
         check_rerotatable(model.spec)
@@ -122,7 +124,8 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
             cache.scatter(table, kv[:, :, offset - start:offset - start + len(chunk)], start=offset)  # (L, 2, n, H, D)
             reused += len(chunk)
         else:
-            cache.scatter(table, _standalone(model, chunk, cache, reuse if store else None, errors, offset), start=offset)
+            chunk_kv = _standalone(model, chunk, cache, reuse if store else None, errors, offset)
+            cache.scatter(table, chunk_kv, start=offset)
         offset += len(chunk)
     fetch_s = time.perf_counter() - started
     chunk_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)  # (C,)

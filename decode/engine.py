@@ -49,8 +49,10 @@ class GenerateResult:
     def summary(self) -> str:
         tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
         blend = "" if self.chunk_hits is None else (
-            f"chunks hit {sum(self.chunk_hits)}/{len(self.chunk_hits)}, recomputed {self.recomputed_tokens} chunk tokens; ")
-        return blend + (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, computed {self.computed_tokens}, "
+            f"chunks hit {sum(self.chunk_hits)}/{len(self.chunk_hits)}, "
+            f"recomputed {self.recomputed_tokens} chunk tokens; ")
+        return blend + (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, "
+                f"computed {self.computed_tokens}, "
                 f"TTFT {self.ttft_s * 1e3:.1f} ms (fetch {self.fetch_s * 1e3:.1f} ms), TPOT {tpot}, "
                 f"store {self.store_s * 1e3:.1f} ms, generated {len(self.tokens)}")
 
@@ -156,7 +158,8 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         fetch_s=fetch_s, store_s=store_s, stored_tokens=stored, tiers=hit.tiers if hit else {},
         backend_error=outcome.error if outcome else hit.error if hit else None,
         logits=torch.stack(kept) if kept is not None else None,
-        chunk_hits=outcome.chunk_hits if outcome else None, recomputed_tokens=outcome.recomputed_tokens if outcome else 0)
+        chunk_hits=outcome.chunk_hits if outcome else None,
+        recomputed_tokens=outcome.recomputed_tokens if outcome else 0)
 
 
 def _check_blend(model: LlamaModel, prefix: Sequence[int], chunks: Sequence[Sequence[int]],

@@ -61,7 +61,8 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
     slots = cache.slots(table, start, end)  # (T,)
     # Segment ends: the chunks' ends and every SEGMENT_TOKENS, so that a query reads keys at most
     # SEGMENT_TOKENS past its own position (close to causal work when every token is recomputed).
-    ends = sorted({min(max(e, start + 1), end) for e in segment_ends} | {end} | set(range(start + SEGMENT_TOKENS, end, SEGMENT_TOKENS)))
+    ends = sorted({min(max(e, start + 1), end) for e in segment_ends} | {end}
+                  | set(range(start + SEGMENT_TOKENS, end, SEGMENT_TOKENS)))
     reads = [(e, cache.slot_range(table, 0, e), cache.slots(table, 0, e)) for e in ends]  # keys 0..e-1 per segment
     cos_all, sin_all = model.rotary.cos_sin(positions, model.dtype)  # (T, 1, D) each
     if prefix_ids is None:
@@ -80,7 +81,8 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
         if keep < chosen.shape[0] and not last:
             # Deviation before overwriting: the tokens whose reused K/V were furthest off.
             old_k, old_v = k_pool.index_select(0, slots[chosen]), v_pool.index_select(0, slots[chosen])  # (C, H, D)
-            deviation = (k.float() - old_k.float()).square().sum((1, 2)) + (v.float() - old_v.float()).square().sum((1, 2))  # (C,)
+            deviation = ((k.float() - old_k.float()).square().sum((1, 2))
+                         + (v.float() - old_v.float()).square().sum((1, 2)))  # (C,)
             top = deviation.topk(keep).indices.sort().values  # (keep,) back in position order
         else:
             top = None

@@ -18,7 +18,8 @@ class SamplingParams:
     seed: int | None = None  # None = a fresh random seed
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
             raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")

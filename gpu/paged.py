@@ -50,7 +50,8 @@ def describe(cache: PagedKV) -> PagedLayout:
         raise ValueError(f"cache: need as many K as V layers (>= 1), got {len(k_caches)} and {len(v_caches)}")
     first = k_caches[0]
     if not isinstance(first, torch.Tensor) or first.dim() != 4:
-        raise ValueError(f"cache: per-layer tensors must be (num_blocks, P, H, D), got {getattr(first, 'shape', first)!r}")
+        raise ValueError(f"cache: per-layer tensors must be (num_blocks, P, H, D), "
+                         f"got {getattr(first, 'shape', first)!r}")
     for i, t in enumerate(k_caches + v_caches):
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
             kind, layer = ("k", i) if i < len(k_caches) else ("v", i - len(k_caches))
@@ -70,7 +71,8 @@ def _check_ids(layout: PagedLayout, block_ids: torch.Tensor | Sequence[int],
     n, P = ids.numel(), layout.page_size
     T = n * P if num_tokens is None else num_tokens
     if not ((n - 1) * P < T <= n * P or n == T == 0):
-        raise ValueError(f"num_tokens: {n} blocks of {P} tokens hold {max(0, (n - 1) * P + 1)}..{n * P} tokens, got {T}")
+        raise ValueError(f"num_tokens: {n} blocks of {P} tokens hold {max(0, (n - 1) * P + 1)}..{n * P} tokens, "
+                         f"got {T}")
     return ids, T
 
 
@@ -212,7 +214,8 @@ def gather_pages(cache: PagedKV, block_ids: torch.Tensor | Sequence[int], num_to
     shape = (layout.num_layers, 2, T, layout.num_heads, layout.head_dim)
     if out is None:
         out = torch.empty(shape, dtype=layout.dtype, device=layout.device)  # (L, 2, T, H, D)
-    elif tuple(out.shape) != shape or out.dtype != layout.dtype or out.device != layout.device or not out.is_contiguous():
+    elif (tuple(out.shape) != shape or out.dtype != layout.dtype or out.device != layout.device
+          or not out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous {shape} {layout.dtype} tensor on {layout.device}, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     _launch_copy(cache, layout, ids, out, to_pages=False)

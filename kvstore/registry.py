@@ -79,7 +79,8 @@ class ModelRegistry:
     def get(self, name: str, tenant: str | None) -> Model:
         model = self._models.get((tenant, name))
         if model is None:
-            raise ModelNotFound(f"model: {name!r} is not registered (PUT /v1/models/{name} or register_model first)", field="model")
+            raise ModelNotFound(f"model: {name!r} is not registered (PUT /v1/models/{name} or register_model first)",
+                                field="model")
         return model
 
     def remove(self, name: str, tenant: str | None) -> Model:

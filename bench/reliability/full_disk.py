@@ -61,7 +61,8 @@ def run_full_disk(work: Path, *, sequences: int = 800, durability: str = "write-
     with small_filesystem(mount) as mounted:
         report.filesystem = f"tmpfs {TMPFS_BYTES >> 20} MiB" if mounted else "disk_bytes 1 MiB (no mount)"
         disk_bytes = "256MiB" if mounted else "1MiB"
-        sidecar = Sidecar(mount / "data", ["--cpu-bytes", "1MiB", "--disk-bytes", disk_bytes, "--durability", durability])
+        sidecar = Sidecar(mount / "data", ["--cpu-bytes", "1MiB", "--disk-bytes", disk_bytes,
+                                           "--durability", durability])
         sidecar.start()
         try:
             with KVStoreClient(sidecar.url, timeout_s=60) as client:
@@ -85,7 +86,8 @@ def run_full_disk(work: Path, *, sequences: int = 800, durability: str = "write-
                 report.newest_from_cpu = client.lookup("m", tokens).tiers.get("cpu", 0) == 64
                 for tokens in stored:
                     result = client.fetch("m", tokens)
-                    if result.matched_tokens and not torch.equal(result.kv, expected_kv(SPEC, tokens[:result.matched_tokens])):
+                    matched = tokens[:result.matched_tokens]
+                    if result.matched_tokens and not torch.equal(result.kv, expected_kv(SPEC, matched)):
                         report.wrong_kv += 1
                 stats = client.stats()
                 report.disk_pages = stats["tiers"]["disk"]["pages"]

@@ -64,7 +64,8 @@ def run_load(work: Path, *, clients: int = 32, duration_s: float = 60.0, slow_cl
              seed: int = 0) -> LoadReport:
     report = LoadReport(clients)
     sidecar = Sidecar(work / "data", ["--cpu-bytes", f"{CPU_BYTES >> 20}MiB", "--disk-bytes", "2GiB",
-                                      "--body-timeout-s", str(BODY_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
+                                      "--body-timeout-s", str(BODY_TIMEOUT_S),
+                                      "--max-connections", str(MAX_CONNECTIONS),
                                       "--max-body-bytes", "64MiB", "--log-level", "warning"]).start()
     try:
         with KVStoreClient(sidecar.url) as admin:
