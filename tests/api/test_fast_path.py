@@ -91,8 +91,8 @@ def test_clients_get_the_same_answers_with_and_without_it(tmp_path, spec: ModelS
 def _metric(server: LiveServer, name: str, label: str) -> float:
     conn = _connect(server)
     _, _, body = conn.request(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", [])
-    lines = [l for l in bytes(body).decode().splitlines() if l.startswith(name + "{") and label in l]
-    return sum(float(l.rsplit(" ", 1)[1]) for l in lines)
+    lines = [line for line in bytes(body).decode().splitlines() if line.startswith(name + "{") and label in line]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
 def test_answered_requests_are_counted_in_metrics(served: LiveServer, spec: ModelSpec):

@@ -27,7 +27,8 @@ def as_(tenant_token: str) -> dict[str, str]:
     return {**MSGPACK, "Authorization": f"Bearer {tenant_token}"}
 
 
-@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer wrong", "Basic c2VjcmV0", "secret-alice-0123456789"])
+@pytest.mark.parametrize("authorization",
+                         [None, "", "Bearer", "Bearer wrong", "Basic c2VjcmV0", "secret-alice-0123456789"])
 async def test_missing_or_unknown_token_is_401(authed, spec: ModelSpec, authorization):
     headers = dict(MSGPACK) if authorization is None else {**MSGPACK, "Authorization": authorization}
     status, body = await call(authed, "PUT", "/v1/models/m", spec.to_dict(), headers=headers)
@@ -44,13 +45,15 @@ async def test_tenants_are_isolated(authed, spec: ModelSpec):
     alice, bob = as_("secret-alice-0123456789"), as_("secret-bob-0123456789")
     assert (await call(authed, "PUT", "/v1/models/m", spec.to_dict(), headers=alice))[0] == 201
     kv = random_kv(spec, 4)
-    assert (await call(authed, "POST", "/v1/store", {"model": "m", "tokens": [1, 2, 3, 4], "kv": kv_bin(kv)}, headers=alice))[0] == 200
-    status, body = await call(authed, "POST", "/v1/lookup", {"model": "m", "tokens": [1, 2, 3, 4]}, headers=bob)
+    store_request = {"model": "m", "tokens": [1, 2, 3, 4], "kv": kv_bin(kv)}
+    assert (await call(authed, "POST", "/v1/store", store_request, headers=alice))[0] == 200
+    lookup = {"model": "m", "tokens": [1, 2, 3, 4]}
+    status, body = await call(authed, "POST", "/v1/lookup", lookup, headers=bob)
     assert status == 404 and body["error"]["code"] == "model_not_found"
     # Bob registering the same name gets his own, empty namespace.
     assert (await call(authed, "PUT", "/v1/models/m", spec.to_dict(), headers=bob))[0] == 201
-    assert (await call(authed, "POST", "/v1/lookup", {"model": "m", "tokens": [1, 2, 3, 4]}, headers=bob))[1]["matched_tokens"] == 0
-    assert (await call(authed, "POST", "/v1/lookup", {"model": "m", "tokens": [1, 2, 3, 4]}, headers=alice))[1]["matched_tokens"] == 4
+    assert (await call(authed, "POST", "/v1/lookup", lookup, headers=bob))[1]["matched_tokens"] == 0
+    assert (await call(authed, "POST", "/v1/lookup", lookup, headers=alice))[1]["matched_tokens"] == 4
 
 
 def test_find_tenant_and_bad_auth_files(tmp_path):
@@ -74,9 +77,11 @@ async def test_auth_file_max_bytes_caps_a_tenant(store, tmp_path, spec: ModelSpe
             assert (await call(http, "PUT", "/v1/models/m", spec.to_dict(), headers=who))[0] == 201
         seqs = [[i * 1000 + t for t in range(8)] for i in range(40)]
         for tokens in seqs[:2]:
-            assert (await call(http, "POST", "/v1/store", {"model": "m", "tokens": tokens, "kv": kv_bin(random_kv(spec, 8))}, headers=bob))[0] == 200
+            store_request = {"model": "m", "tokens": tokens, "kv": kv_bin(random_kv(spec, 8))}
+            assert (await call(http, "POST", "/v1/store", store_request, headers=bob))[0] == 200
         for tokens in seqs[2:]:  # alice stores far past 8 KiB
-            assert (await call(http, "POST", "/v1/store", {"model": "m", "tokens": tokens, "kv": kv_bin(random_kv(spec, 8))}, headers=alice))[0] == 200
+            store_request = {"model": "m", "tokens": tokens, "kv": kv_bin(random_kv(spec, 8))}
+            assert (await call(http, "POST", "/v1/store", store_request, headers=alice))[0] == 200
         status, stats = await call(http, "GET", "/v1/stats", headers=alice)
         assert status == 200 and stats["tenants"]["alice"]["max_bytes"] == 8 << 10
         assert 0 < stats["tenants"]["alice"]["bytes"]["cpu"] <= 8 << 10
@@ -86,7 +91,8 @@ async def test_auth_file_max_bytes_caps_a_tenant(store, tmp_path, spec: ModelSpe
         lookup = {"model": "m", "tokens": seqs[2]}  # alice's oldest: moved down to disk, still served
         assert (await call(http, "POST", "/v1/lookup", lookup, headers=alice))[1]["tiers"] == {"disk": 8}
         for tokens in seqs[:2]:
-            assert (await call(http, "POST", "/v1/lookup", {"model": "m", "tokens": tokens}, headers=bob))[1]["tiers"] == {"cpu": 8}
+            lookup = {"model": "m", "tokens": tokens}
+            assert (await call(http, "POST", "/v1/lookup", lookup, headers=bob))[1]["tiers"] == {"cpu": 8}
 
 
 @pytest.mark.parametrize("entry, message", [

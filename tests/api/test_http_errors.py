@@ -48,7 +48,8 @@ async def test_unsupported_content_type_is_415(http_model):
 
 
 async def test_malformed_json_is_400_in_json(http_model):
-    result = await call(http_model, "POST", "/v1/lookup", raw=b"{not json", headers={"Content-Type": "application/json"})
+    result = await call(http_model, "POST", "/v1/lookup", raw=b"{not json",
+                        headers={"Content-Type": "application/json"})
     assert_error(result, 400, "invalid_request", "body")
 
 
@@ -70,7 +71,8 @@ async def test_bad_lookup_fields_name_the_field(http_model, body, code, field):
     assert_error(await call(http_model, "POST", "/v1/lookup", body), 400, code, field)
 
 
-@pytest.mark.parametrize("start, field", [(-1, "start"), (99, "start"), ("2", "start"), (1.5, "start"), (True, "start")])
+@pytest.mark.parametrize("start, field",
+                         [(-1, "start"), (99, "start"), ("2", "start"), (1.5, "start"), (True, "start")])
 async def test_bad_start_is_400(http_model, start, field):
     assert_error(await call(http_model, "POST", "/v1/fetch", {"model": "m", "tokens": [1, 2], "start": start}),
                  400, "invalid_start", field)
@@ -87,7 +89,8 @@ async def test_kv_of_wrong_length_is_400_and_stores_nothing(http_model, spec: Mo
 
 @pytest.mark.parametrize("kv, field", [([1, 2, 3], "kv"), ("AAAA", "kv"), (None, "kv")])
 async def test_kv_not_bin_is_400(http_model, kv, field):
-    assert_error(await call(http_model, "POST", "/v1/store", {"model": "m", "tokens": [1], "kv": kv}), 400, "invalid_kv", field)
+    result = await call(http_model, "POST", "/v1/store", {"model": "m", "tokens": [1], "kv": kv})
+    assert_error(result, 400, "invalid_kv", field)
 
 
 async def test_kv_missing_is_400(http_model):
@@ -96,7 +99,8 @@ async def test_kv_missing_is_400(http_model):
 
 async def test_kv_dtype_mismatch_is_400(http_model, spec: ModelSpec):
     kv = kv_bin(random_kv(spec, 2))
-    result = await call(http_model, "POST", "/v1/store", {"model": "m", "tokens": [1, 2], "kv": kv, "dtype": "bfloat16"})
+    result = await call(http_model, "POST", "/v1/store",
+                        {"model": "m", "tokens": [1, 2], "kv": kv, "dtype": "bfloat16"})
     assert_error(result, 400, "invalid_kv", "dtype")
     await assert_nothing_stored(http_model, [1, 2])
 

@@ -18,7 +18,8 @@ async def test_openapi_describes_every_route_in_the_table(http):
         if route.method in ("POST", "PUT"):
             schema = operation["requestBody"]["content"]["application/msgpack"]["schema"]
             assert schema["$ref"].split("/")[-1] in doc["components"]["schemas"]
-    assert set(OPERATIONS) == {(r.method, template_path(r.path)) for r in ROUTES}, "OPERATIONS describes a route that does not exist"
+    assert set(OPERATIONS) == {(r.method, template_path(r.path)) for r in ROUTES}, \
+        "OPERATIONS describes a route that does not exist"
 
 
 async def test_openapi_schemas_resolve(http):
@@ -29,7 +30,8 @@ async def test_openapi_schemas_resolve(http):
 
 
 async def test_metrics_count_requests_and_export_tiers(http_model, spec: ModelSpec):
-    await call(http_model, "POST", "/v1/store", {"model": "m", "tokens": list(range(8)), "kv": kv_bin(random_kv(spec, 8))})
+    await call(http_model, "POST", "/v1/store",
+               {"model": "m", "tokens": list(range(8)), "kv": kv_bin(random_kv(spec, 8))})
     await call(http_model, "POST", "/v1/lookup", {"model": "nope", "tokens": [1]})
     status, text = await call(http_model, "GET", "/metrics", headers={})
     assert status == 200

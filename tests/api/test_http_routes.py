@@ -30,11 +30,13 @@ async def test_hugging_face_style_model_name_with_a_slash(http, spec: ModelSpec)
 async def test_store_lookup_fetch_roundtrip_with_bin_tokens(http_model, spec: ModelSpec):
     tokens = list(range(100, 110))
     kv = random_kv(spec, 10)
-    status, body = await call(http_model, "POST", "/v1/store", {"model": "m", "tokens": tokens_bin(tokens), "kv": kv_bin(kv)})
+    status, body = await call(http_model, "POST", "/v1/store",
+                              {"model": "m", "tokens": tokens_bin(tokens), "kv": kv_bin(kv)})
     assert status == 200 and body == {"stored_tokens": 10, "new_pages": 3}
     status, body = await call(http_model, "POST", "/v1/lookup", {"model": "m", "tokens": tokens + [1, 2]})
     assert status == 200 and body["matched_tokens"] == 10 and sum(body["tiers"].values()) == 10
-    status, body = await call(http_model, "POST", "/v1/fetch", {"model": "m", "tokens": tokens_bin(tokens + [7]), "start": 3})
+    status, body = await call(http_model, "POST", "/v1/fetch",
+                              {"model": "m", "tokens": tokens_bin(tokens + [7]), "start": 3})
     assert status == 200 and body["matched_tokens"] == 10
     assert body["shape"] == list(spec.kv_shape(7)) and body["dtype"] == "float16"
     got = torch.frombuffer(bytearray(body["kv"]), dtype=torch.float16).view(spec.kv_shape(7))
@@ -66,7 +68,8 @@ async def test_json_request_is_decoded_and_answered_in_json(http_model, spec: Mo
     resp = await http.post("/v1/fetch", json={"model": "m", "tokens": [1, 2, 3, 4]}, headers=json_headers)
     body = await resp.json()
     assert resp.status == 200 and body["matched_tokens"] == 4
-    assert torch.equal(torch.frombuffer(bytearray(base64.b64decode(body["kv"])), dtype=torch.float16).view(kv.shape), kv)
+    fetched = torch.frombuffer(bytearray(base64.b64decode(body["kv"])), dtype=torch.float16).view(kv.shape)
+    assert torch.equal(fetched, kv)
 
 
 async def test_bfloat16_model_roundtrip(http):
@@ -79,14 +82,16 @@ async def test_bfloat16_model_roundtrip(http):
 
 
 async def test_delete_model_drops_pages(http_model, spec: ModelSpec):
-    await call(http_model, "POST", "/v1/store", {"model": "m", "tokens": list(range(8)), "kv": kv_bin(random_kv(spec, 8))})
+    await call(http_model, "POST", "/v1/store",
+               {"model": "m", "tokens": list(range(8)), "kv": kv_bin(random_kv(spec, 8))})
     status, body = await call(http_model, "DELETE", "/v1/models/m")
     assert status == 200 and body["dropped_pages"] == 2
     assert (await call(http_model, "POST", "/v1/lookup", {"model": "m", "tokens": [0]}))[0] == 404
 
 
 async def test_stats_is_json_per_tier(http_model, spec: ModelSpec):
-    await call(http_model, "POST", "/v1/store", {"model": "m", "tokens": list(range(8)), "kv": kv_bin(random_kv(spec, 8))})
+    await call(http_model, "POST", "/v1/store",
+               {"model": "m", "tokens": list(range(8)), "kv": kv_bin(random_kv(spec, 8))})
     status, body = await call(http_model, "GET", "/v1/stats", headers={})
     assert status == 200 and body["tiers"]["cpu"]["pages"] == 2
     assert {"pages", "bytes", "capacity_bytes", "hits", "misses", "evictions"} <= set(body["tiers"]["cpu"])

@@ -88,7 +88,8 @@ def test_through_the_sidecar_client(model):
 
     prefix, chunks, question = ids(20, 6), [ids(21, 12), ids(22, 17)], ids(23, 3)
     want = full_logits(model, prefix, chunks, question)
-    with InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=32 << 20, disk_bytes=0)) as url, KVStoreClient(url) as client:
+    config = StoreConfig(data_dir=None, cpu_bytes=32 << 20, disk_bytes=0)
+    with InProcessSidecar(config) as url, KVStoreClient(url) as client:
         generate(model, question, 1, backend=client, prefix=ids(24, 2), chunks=chunks[::-1], blend_ratio=0.0)
         got = generate(model, question, 3, backend=client, prefix=prefix, chunks=chunks, blend_ratio=1.0,
                        return_logits=True)

@@ -11,7 +11,10 @@ from kvstore.decode.sampling import Sampler
 def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
     model = tiny_model(init_std=0.1)
     prompt = list(range(20))
-    run = lambda seed: generate(model, prompt, 12, sampling=SamplingParams(temperature=1.0, seed=seed)).tokens
+
+    def run(seed: int) -> list[int]:
+        return generate(model, prompt, 12, sampling=SamplingParams(temperature=1.0, seed=seed)).tokens
+
     assert run(3) == run(3)
     assert run(3) != run(4)
 

@@ -24,7 +24,8 @@ def _blocked(nb: int, L: int, P: int, H: int, D: int, dtype: torch.dtype) -> tor
 def _split(blocked: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-layer layout with the same contents: contiguous (num_blocks, P, H, D) tensors."""
     L = blocked.shape[1]
-    return [blocked[:, l, 0].contiguous() for l in range(L)], [blocked[:, l, 1].contiguous() for l in range(L)]
+    return ([blocked[:, layer, 0].contiguous() for layer in range(L)],
+            [blocked[:, layer, 1].contiguous() for layer in range(L)])
 
 
 def _join(cache: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:

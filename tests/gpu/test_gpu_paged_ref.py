@@ -15,7 +15,8 @@ def _blocked(dtype: torch.dtype = torch.float16) -> torch.Tensor:
 
 def _per_layer(cache: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     # The same contents as independent contiguous per-layer tensors (num_blocks, P, H, D).
-    return [cache[:, l, 0].contiguous() for l in range(L)], [cache[:, l, 1].contiguous() for l in range(L)]
+    return ([cache[:, layer, 0].contiguous() for layer in range(L)],
+            [cache[:, layer, 1].contiguous() for layer in range(L)])
 
 
 @pytest.mark.parametrize("num_tokens", [12, 10, 9])  # full pages and two tails

@@ -99,15 +99,18 @@ def test_linear_and_llama3_scalings_are_blended(store: KVStore):
     spec = spec_for(rope_scaling={"rope_type": "linear", "factor": 4.0})
     store.register_model("m", spec)
     raw, kv = chunk_kv(spec, 6, seed=6)
-    kv[:, 0] = apply_rope_ref(raw, torch.arange(6), theta=spec.rope_theta, style="neox", rope_scaling=spec.rope_scaling_dict)
+    kv[:, 0] = apply_rope_ref(raw, torch.arange(6), theta=spec.rope_theta, style="neox",
+                              rope_scaling=spec.rope_scaling_dict)
     store.store_chunk("m", list(range(6)), kv)
     got = store.blend("m", [list(range(6))], start_pos=40).kv[:, 0]
-    want = apply_rope_ref(raw, torch.arange(40, 46), theta=spec.rope_theta, style="neox", rope_scaling=spec.rope_scaling_dict)
+    want = apply_rope_ref(raw, torch.arange(40, 46), theta=spec.rope_theta, style="neox",
+                          rope_scaling=spec.rope_scaling_dict)
     assert (got - want).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("chunks,start_pos,error", [
-    ([], 0, InvalidTokens), ([[]], 0, InvalidTokens), ([[1]] * 4097, 0, InvalidTokens), ([[1, -2]], 0, InvalidTokens), ("abc", 0, InvalidTokens),
+    ([], 0, InvalidTokens), ([[]], 0, InvalidTokens), ([[1]] * 4097, 0, InvalidTokens), ([[1, -2]], 0, InvalidTokens),
+    ("abc", 0, InvalidTokens),
     ([[1, 2]], -1, InvalidStart), ([[1, 2]], 1.5, InvalidStart), ([[1, 2]], True, InvalidStart)])
 def test_bad_input_names_the_field(store: KVStore, chunks, start_pos, error):
     store.register_model("m", spec_for())

@@ -45,7 +45,8 @@ def test_two_stores_share_pages_through_redis_cluster(cluster: list[RedisServer]
         for store in stores:
             store.register_model("m", spec)
         tokens = list(range(64))
-        kv = torch.randn(spec.kv_shape(64), generator=torch.Generator().manual_seed(0)).to(torch.float16)  # (L, 2, T, H, D)
+        # (L, 2, T, H, D)
+        kv = torch.randn(spec.kv_shape(64), generator=torch.Generator().manual_seed(0)).to(torch.float16)
         assert a.store("m", tokens, kv).new_pages == 16
         assert a.flush(10)
         assert sum(n.client().dbsize() for n in cluster) == 16

@@ -108,7 +108,8 @@ def test_a_bad_page_ends_the_answer_and_the_pages_before_it_are_served(redis_ser
         into = torch.full((80 * spec.bytes_per_token,), 0xAB, dtype=torch.uint8)
         fetched = store.fetch("m", tokens, into=into)
         assert fetched.matched_tokens == 32 and same_bits(fetched.kv, kv[:, :, :32])
-        region = into.view(torch.bfloat16).view(spec.kv_shape(80))[:, :, 32:48].contiguous().view(torch.uint8)  # (L, 2, 16, H, D)
+        # (L, 2, 16, H, D)
+        region = into.view(torch.bfloat16).view(spec.kv_shape(80))[:, :, 32:48].contiguous().view(torch.uint8)
         if damage == "payload":  # the lost page's bytes went into the caller's buffer, past the answer
             assert int((region != kv[:, :, 32:48].contiguous().view(torch.uint8)).sum()) == 1
         elif damage == "collision":  # declined on its header: nothing was received there
@@ -145,7 +146,8 @@ def test_the_tier_lands_a_payload_only_where_the_caller_accepts_its_header(redis
         views = [memoryview(b.numpy()) for b in buffers]
         thirds = [(0, 1000), (1000, 1000), (1000, 1 << 16), (1 << 16, 1 << 17)]  # one empty slice
         landings = {
-            recs[0].key: Landing(tuple(views[0][a:b] for a, b in thirds), lambda header: header.tokens == recs[0].tokens),
+            recs[0].key: Landing(tuple(views[0][a:b] for a, b in thirds),
+                                 lambda header: header.tokens == recs[0].tokens),
             recs[1].key: Landing((views[1],), lambda header: False),  # declined: a fresh buffer
             recs[2].key: Landing((views[2][:100],), lambda header: True),  # too small: a fresh buffer
         }
@@ -169,7 +171,8 @@ def test_the_tier_lands_a_payload_only_where_the_caller_accepts_its_header(redis
 
 
 def test_chunked_bulk_values_arrive_whole_in_order_and_leave_the_stream_in_step():
-    payload = torch.randint(0, 256, (300_001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4)).numpy().tobytes()
+    payload = torch.randint(0, 256, (300_001,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(4)).numpy().tobytes()
     wire = b"$%d\r\n%b\r\n$5\r\nafter\r\n$-1\r\n" % (len(payload), payload)
     ours, theirs = socket.socketpair()
 

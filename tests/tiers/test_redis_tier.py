@@ -34,7 +34,9 @@ def make_tier(server: RedisServer, **overrides) -> RedisTier:
 
 
 def payload_of(rec: PageRecord) -> bytes:
-    return bytes(memoryview(rec.payload).cast("B")) if not hasattr(rec.payload, "numpy") else rec.payload.numpy().tobytes()
+    if hasattr(rec.payload, "numpy"):
+        return rec.payload.numpy().tobytes()
+    return bytes(memoryview(rec.payload).cast("B"))
 
 
 @pytest.fixture
@@ -48,7 +50,8 @@ def test_value_format_roundtrips_and_rejects_garbage():
     rec = record(1)
     value = encode_value(rec, None)
     back = decode_value(value, rec.key)
-    assert (back.tokens, back.shape, back.parent, payload_of(back)) == (rec.tokens, rec.shape, rec.parent, payload_of(rec))
+    assert ((back.tokens, back.shape, back.parent, payload_of(back))
+            == (rec.tokens, rec.shape, rec.parent, payload_of(rec)))
     from kvstore.tiers.disk_record import CorruptRecord
 
     for bad in (b"", b"\1\0", value[:-1], value[:-1] + bytes([value[-1] ^ 1]), b"\xff\xff\xff\x7f" + value[4:]):
