@@ -19,6 +19,7 @@ fetch answer of the wrong shape or dtype is a failure (store_link.py).
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Callable
 
 import torch
@@ -82,7 +83,9 @@ class WorkerSide:
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
-        self.stats = {"loaded_tokens": 0, "failed_blocks": 0, "saved_tokens": 0}
+        # Counters and seconds spent, for tests and bench/vllm_ttft.py's breakdown of a step.
+        self.stats = {"loaded_tokens": 0, "failed_blocks": 0, "saved_tokens": 0, "fetch_s": 0.0, "scatter_s": 0.0,
+                      "gather_s": 0.0, "store_s": 0.0}
 
     def register(self, kv_caches: dict[str, torch.Tensor], backends: dict[str, str],
                  cpu_writer: Callable[[], Callable[..., None]] | None, kv_cache_layout: str | None) -> None:
@@ -115,7 +118,9 @@ class WorkerSide:
         B = self.block_size
         for spec in meta.loads:
             end = len(spec.tokens)
+            started = time.perf_counter()
             matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt)
+            self.stats["fetch_s"] += time.perf_counter() - started
             usable = max(0, (min(matched, end) - spec.start) // B)  # whole blocks the store still had
             if usable < len(spec.block_ids):
                 self._failed_blocks.update(spec.block_ids[usable:])
@@ -133,10 +138,12 @@ class WorkerSide:
             return
         layer = self.layers[layer_name]
         assert self.layout is not None
+        started = time.perf_counter()
         for load in self._loads:
             if i in load.pending_layers:
                 self.layout.scatter(layer, load.block_ids, load.kv[i].to(layer.device))
                 load.pending_layers.discard(i)
+        self.stats["scatter_s"] += time.perf_counter() - started
 
     # -- saves ----------------------------------------------------------------------------------
     def save_layer(self, meta: StepMeta, layer_name: str, layer: torch.Tensor) -> None:
@@ -146,10 +153,12 @@ class WorkerSide:
         if not self._saves and meta.saves:
             self._saves = [self._new_save(spec) for spec in meta.saves]
         assert self.layout is not None
+        started = time.perf_counter()
         for save in self._saves:
             if i in save.pending_layers:
                 save.buffer[i] = self.layout.gather(layer, save.block_ids)
                 save.pending_layers.discard(i)
+        self.stats["gather_s"] += time.perf_counter() - started
 
     def _new_save(self, spec: SaveSpec) -> _Save:
         B = self.block_size
@@ -184,10 +193,12 @@ class WorkerSide:
         if meta is not None and meta.saves and not self._saves:
             self._saves = [self._new_save(spec) for spec in meta.saves]
         saves, self._saves = self._saves, []
+        started = time.perf_counter()
         for save in saves:
             if save.pending_layers:  # a layer without the save hook: copy it now, its blocks are intact
                 self._gather_all(save.block_ids.tolist(), out=save.buffer, layers=save.pending_layers)
             self._store(save)
+        self.stats["store_s"] += time.perf_counter() - started
 
     def _store(self, save: _Save) -> None:
         spec, B = save.spec, self.block_size

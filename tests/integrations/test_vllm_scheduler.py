@@ -157,3 +157,23 @@ def test_an_unreachable_sidecar_is_a_miss_and_is_left_alone_after(caplog):
         assert side.matched_tokens(r, 0) == 0
     assert len([rec for rec in caplog.records if "kvstore lookup failed" in rec.getMessage()]) == 1
     link.close()
+
+
+def test_a_sidecar_that_never_answers_costs_at_most_timeout_s():
+    import socket
+    import time
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)  # accepts connections, never answers
+        config = ConnectorConfig.from_extra_config({"url": f"http://127.0.0.1:{server.getsockname()[1]}",
+                                                    "timeout_s": 0.5, "shared_memory_bytes": 0})
+        link = StoreLink(config, "m", SPEC)
+        side = SchedulerSide(link, BLOCK)
+        started = time.monotonic()
+        for i in range(3):
+            r = request(str(i), list(range(1, 129)))
+            side.on_new_request(r)
+            assert side.matched_tokens(r, 0) == 0
+        assert time.monotonic() - started < 2.0  # one timeout, then the store is left alone
+        link.close()
