@@ -179,7 +179,7 @@ def store_request(body: dict[str, Any]) -> StoreRequest:
     if not isinstance(kv, memoryview):
         raise InvalidKV(f"kv: expected a bin of the (L, 2, T, H, D) tensor, got {_show(kv)}", field="kv")
     dtype = body.get("dtype")
-    if dtype is not None and dtype not in TORCH_DTYPES:
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in TORCH_DTYPES):  # a list would not even hash
         raise InvalidKV(f"dtype: must be one of {', '.join(TORCH_DTYPES)}, got {_show(dtype)}", field="dtype")
     return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), region, kv, dtype)
 

@@ -123,3 +123,14 @@ def test_small_and_large_body_decoders_agree(body):
         assert msgpack.packb(small, use_bin_type=True) == msgpack.packb(walked, use_bin_type=True)
     else:
         assert small == walked == "FramingError", (small, walked)
+
+
+@pytest.mark.parametrize("dtype", [[1], {"a": 1}, b"float16", 7])
+def test_a_dtype_that_is_not_a_string_is_refused_by_name(dtype):
+    """An unhashable dtype (a list, a map, a bin) once raised TypeError from the dict lookup: a 500."""
+    from kvstore.errors import InvalidKV
+
+    body = decode_msgpack(bytearray(msgpack.packb({"model": "m", "tokens": [1], "kv": b"", "dtype": dtype},
+                                                  use_bin_type=True)))
+    with pytest.raises(InvalidKV, match="dtype: must be one of"):
+        store_request(body)
