@@ -41,7 +41,7 @@ class FetchPlan:
                  "needs_io", "nbytes", "_unclaimed")
 
     def __init__(self, state: StoreState, spec: ModelSpec, start: int, dev: torch.device, into: torch.Tensor | None,
-                 count: bool, path: list[Node], reads: list[Read], matched_tokens: int):
+                 count: bool, path: list[Node], reads: list[Read], matched_tokens: int, needs_io: bool):
         self.state = state
         self.spec = spec
         self.start = start
@@ -51,8 +51,7 @@ class FetchPlan:
         self.path = path  # pinned: every matched page, from the first one on
         self.reads = reads  # the pages the answer is read from (those past `start`)
         self.matched_tokens = matched_tokens
-        # A page is read from a record tier (disk, Redis): running the plan waits on I/O.
-        self.needs_io = any(slot is None for _, _, _, _, slot in reads)
+        self.needs_io = needs_io  # a page is read from a record tier (disk, Redis): running the plan waits on I/O
         self.nbytes = max(0, matched_tokens - start) * spec.bytes_per_token  # the answer's size
         self._unclaimed = threading.Lock()  # held once run or release claimed the plan
 
@@ -150,9 +149,10 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
             state.counters["requested_tokens"] += requested
         state.count_misses(match.path, requested > match.matched_tokens)
         if match.matched_tokens <= start:
-            return FetchPlan(state, spec, start, dev, into, count, [], [], match.matched_tokens)
+            return FetchPlan(state, spec, start, dev, into, count, [], [], match.matched_tokens, False)
         clock = state.tick()
         reads: list[Read] = []
+        needs_io = False
         offset = 0
         for node in match.path:
             used = min(node.num_tokens, match.matched_tokens - offset)
@@ -162,6 +162,8 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
             if offset + used > start:
                 placement.usage[tier].hits += 1
                 node.hits += 1
-                reads.append((node, offset, used, tier, tiers.slot(tier, node.key)))
+                slot = tiers.slot(tier, node.key)
+                needs_io = needs_io or slot is None
+                reads.append((node, offset, used, tier, slot))
             offset += used
-        return FetchPlan(state, spec, start, dev, into, count, match.path, reads, match.matched_tokens)
+        return FetchPlan(state, spec, start, dev, into, count, match.path, reads, match.matched_tokens, needs_io)

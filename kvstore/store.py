@@ -18,8 +18,8 @@ tier (gpu, else cpu, else disk) that can make room.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+import threading
+from typing import Any, Sequence
 
 import torch
 
@@ -166,7 +166,7 @@ class KVStore:
         entry = self._model(model, tenant)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
-        dev = check_device(device)
+        dev = _device(device)
         return self._fetch(entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
 
     def _fetch(self, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
@@ -212,21 +212,16 @@ class KVStore:
                             entry.namespace, entry.spec, tbs, start_pos, dev)
 
     # -- what the sidecar uses: the event loop never waits, a fetch is planned once ---------
-    @contextmanager
-    def unless_busy(self) -> Iterator[bool]:
-        """For a caller that must never wait (the sidecar's event loop): True, and the calling
-        thread holds the store until the block ends, if no other thread held it; False, and
-        nothing held, if one did (it may be copying, promoting or queueing disk writes).
+    def unless_busy(self) -> "UnlessBusy":
+        """For a caller that must never wait (the sidecar's event loop), as `with store.unless_busy()
+        as free:` True, and the calling thread holds the store until the block ends, if no other
+        thread held it; False, and nothing held, if one did (it may be copying, promoting or
+        queueing disk writes).
 
         Store calls inside the block take the lock again without waiting. The caller must only
         do, inside, work that waits on nothing (no shared-tier probe, no disk, small copies:
         `fetch_in_memory`, `stores_in_memory`): other threads wait for the block to end."""
-        free = self._lock.acquire(blocking=False)
-        try:
-            yield free
-        finally:
-            if free:
-                self._lock.release()
+        return UnlessBusy(self._lock)
 
     @property
     def has_shared_tier(self) -> bool:
@@ -240,7 +235,7 @@ class KVStore:
         top = self._tiers.top
         if self.config.durability != "write-back" or not self._tiers.keeps_slots(top):
             return False
-        if all(tier.keeps_slots for tier in self._tiers.tiers.values()):
+        if self._tiers.memory_only:
             return True  # evictions only drop pages
         with self._lock:
             return not self._placement.quotas and self._placement.fits(top, nbytes)
@@ -280,8 +275,9 @@ class KVStore:
         entry = self._model(model, tenant)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
-        dev = check_device(device)
-        probe_shared(self._state, entry.namespace, entry.spec, tb)
+        dev = _device(device)
+        if self._tiers.shared is not None:
+            probe_shared(self._state, entry.namespace, entry.spec, tb)
         plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
         assert plan is not None
         return plan
@@ -290,3 +286,27 @@ class KVStore:
     def stats(self) -> dict[str, Any]:
         """Per tier: pages, bytes, capacity, hits, misses, evictions; plus request counters."""
         return store_stats(self._state)
+
+
+class UnlessBusy:
+    """`KVStore.unless_busy`'s block: a non-blocking acquire of the store's lock, released at
+    the end of the block if it was taken. (A class: a generator context manager costs a few
+    times more, on every request the event loop answers.)"""
+
+    __slots__ = ("lock", "free")
+
+    def __init__(self, lock: threading.RLock):
+        self.lock = lock
+        self.free = False
+
+    def __enter__(self) -> bool:
+        self.free = self.lock.acquire(blocking=False)
+        return self.free
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.free:
+            self.lock.release()
+
+
+def _device(device: str) -> torch.device:
+    return CPU if device == "cpu" else check_device(device)  # torch.device() costs more than a fetch's lookup

@@ -48,7 +48,7 @@ class StoreState:
 
     def drain_lost_copies(self) -> None:
         """Forget copies a tier lost on its own (corrupt records, failed writes); under the lock."""
-        for name, tier in self.tiers.tiers.items():
+        for name, tier in self.tiers.losing:
             for key in tier.take_failed():
                 node = self.index.get(key)
                 if node is not None:

@@ -66,6 +66,11 @@ class TierStack:
         self.persistent = next((name for name, tier in self.tiers.items() if tier.persistent), None)
         shared = [tier for tier in self.tiers.values() if tier.shared]
         self.shared: RecordTier | None = shared[0] if shared else None  # type: ignore[assignment]
+        # Only slot tiers: an eviction drops a page, it never waits on a record tier's writes.
+        self.memory_only = all(tier.keeps_slots for tier in self.tiers.values())
+        # The tiers that lose copies on their own (corrupt records, failed writes, Redis
+        # evictions): record tiers; a slot is only ever freed by the store.
+        self.losing = [(name, tier) for name, tier in self.tiers.items() if not tier.keeps_slots]
 
     def close(self) -> None:
         for tier in reversed(self.tiers.values()):  # record tiers first: their writers drain
