@@ -42,7 +42,8 @@ def tokens_bin(tokens: Any) -> memoryview:
     if not isinstance(tokens, np.ndarray):
         return memoryview(token_bytes(tokens, max_tokens=MAX_TOKENS)).cast("B")
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {tokens.dtype} of shape {tokens.shape}", field="tokens")
+        raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {tokens.dtype} of shape {tokens.shape}",
+                            field="tokens")
     value_bits = tokens.dtype.itemsize * 8 - (tokens.dtype.kind == "i")  # int32: 31, uint32: 32
     # int32 and narrower cannot go past the top of the range: one reduction per call, not two.
     if tokens.size and (int(tokens.min()) < 0 or (value_bits > 31 and int(tokens.max()) > MAX_TOKEN_ID)):
@@ -159,7 +160,8 @@ def fetch_result(obj: dict[str, Any], device: str = "cpu", raw: Any = None) -> F
 
 def blend_result(obj: dict[str, Any], device: str = "cpu") -> BlendResult:
     kv = fetch_result({**obj, "matched_tokens": 0}, device).kv  # (L, 2, T, H, D), a view of the response
-    return BlendResult(hits=[bool(h) for h in obj["hits"]], kv=kv, positions=[(int(a), int(b)) for a, b in obj["positions"]])
+    return BlendResult(hits=[bool(h) for h in obj["hits"]], kv=kv,
+                       positions=[(int(a), int(b)) for a, b in obj["positions"]])
 
 
 def model_path(model: str) -> str:

@@ -172,8 +172,8 @@ def _unpack_small(buf: memoryview, max_depth: int | None) -> dict[str, Any]:
         obj = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
                               max_map_len=MAX_MAP_LEN, **hooks)
     except msgpack.StackError:  # its own bound on nesting (1,024 levels), raised with no message
-        raise FramingError(f"nested deeper than {max_depth or 'msgpack allows'} levels (past msgpack's own limit of 1024); "
-                           "no request field nests that deep") from None
+        raise FramingError(f"nested deeper than {max_depth or 'msgpack allows'} levels "
+                           "(past msgpack's own limit of 1024); no request field nests that deep") from None
     except msgpack.ExtraData as exc:
         if not isinstance(exc.unpacked, dict):
             raise FramingError("expected a msgpack map at the top level") from None

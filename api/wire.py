@@ -69,7 +69,8 @@ class BlendRequest:
 
 # ---- reading ---------------------------------------------------------------------------------
 
-async def read_request(request: web.Request, max_body_bytes: int, body_timeout_s: float | None = None) -> dict[str, Any]:
+async def read_request(request: web.Request, max_body_bytes: int,
+                       body_timeout_s: float | None = None) -> dict[str, Any]:
     """Read the body once and decode its top-level map (bin fields stay views of the body)."""
     ctype = request.content_type if request.headers.get("Content-Type") else ""
     if ctype not in MSGPACK_TYPES and ctype not in DEFAULT_TYPES and ctype != JSON:
@@ -135,7 +136,8 @@ def tokens(value: Any) -> Any:
     """An int array or int32 LE bin -> list[int] or a 1-D int32 ndarray (a view, no copy)."""
     if isinstance(value, memoryview):
         if value.nbytes % 4:
-            raise InvalidTokens(f"tokens: a bin of int32 needs a multiple of 4 bytes, got {value.nbytes}", field="tokens")
+            raise InvalidTokens(f"tokens: a bin of int32 needs a multiple of 4 bytes, got {value.nbytes}",
+                                field="tokens")
         arr = np.frombuffer(value, dtype="<i4")
         if arr.size and int(arr.min()) < 0:
             raise InvalidTokens(f"tokens: ids must be >= 0, got {int(arr.min())}", field="tokens")
@@ -166,7 +168,8 @@ def lookup_request(body: dict[str, Any]) -> TokensRequest:
 def fetch_request(body: dict[str, Any]) -> TokensRequest:
     check_fields(body, ("model", "tokens"), ("start", "shm"))
     toks = tokens(body["tokens"])
-    return TokensRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), shm_region(body.get("shm")))
+    return TokensRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)),
+                         shm_region(body.get("shm")))
 
 
 def store_request(body: dict[str, Any]) -> StoreRequest:
@@ -225,7 +228,8 @@ def blend_request(body: dict[str, Any]) -> BlendRequest:
             raise InvalidTokens(f"chunks[{i}]: {exc.message}", field="chunks") from None
     start_pos = body.get("start_pos", 0)
     if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= MAX_TOKEN_ID:
-        raise InvalidStart(f"start_pos: expected an int in [0, {MAX_TOKEN_ID}], got {_show(start_pos)}", field="start_pos")
+        raise InvalidStart(f"start_pos: expected an int in [0, {MAX_TOKEN_ID}], got {_show(start_pos)}",
+                           field="start_pos")
     return BlendRequest(model_name(body["model"]), parsed, start_pos)
 
 
@@ -251,7 +255,8 @@ def kv_tensor(kv: memoryview, spec: ModelSpec, num_tokens: int, dtype: str | Non
 
 
 def _error_for(name: str) -> type[InvalidRequest]:
-    return {"tokens": InvalidTokens, "kv": InvalidKV, "start": InvalidStart, "model": InvalidModelName}.get(name, InvalidRequest)
+    errors = {"tokens": InvalidTokens, "kv": InvalidKV, "start": InvalidStart, "model": InvalidModelName}
+    return errors.get(name, InvalidRequest)
 
 
 _SHOWN = reprlib.Repr()  # bounded in depth and length: a value in an error message never recurses far

@@ -35,30 +35,37 @@ def main(argv: list[str] | None = None) -> int:
     reports: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        crash_modes = () if args.only else (("write-through", args.crash_rounds), ("write-back", max(5, args.crash_rounds // 2)))
+        crash_modes = () if args.only else (("write-through", args.crash_rounds),
+                                            ("write-back", max(5, args.crash_rounds // 2)))
         for mode, rounds in crash_modes:
             began = time.perf_counter()
             r = run_crash(work / f"crash-{mode}", rounds=rounds, durability=mode, seed=7)
             reports[f"crash_{mode}"] = r
             rows.append((f"SIGKILL under store load, {mode}",
                          f"{r.rounds} kills, {r.acked_stores} acked stores, {r.checked_sequences} fetches checked: "
-                         f"{r.lost_acked} acked lost{' (allowed: write-back)' if mode == 'write-back' else ''}, {r.wrong_kv} wrong KV, {r.over_served} over-served, "
-                         f"{r.repairs} LMDB repairs; restart {max(r.restart_s):.1f} s max ({time.perf_counter() - began:.0f} s)"))
+                         f"{r.lost_acked} acked lost{' (allowed: write-back)' if mode == 'write-back' else ''}, "
+                         f"{r.wrong_kv} wrong KV, {r.over_served} over-served, "
+                         f"{r.repairs} LMDB repairs; restart {max(r.restart_s):.1f} s max "
+                         f"({time.perf_counter() - began:.0f} s)"))
         began = time.perf_counter()
         r = run_page_damage(work, trials=args.page_trials, seed=16)
         reports["page_damage"] = r
         rows.append(("1-4 bytes of LMDB leaf/branch pages overwritten while stopped, each reopen in a child",
                      f"{r.trials} trials, {r.damaged} bytes in {r.pages_damaged} pages: {r.killed} processes killed, "
                      f"{len(r.failed)} errors raised, {r.wrong_kv} wrong KV in {r.fetches} fetches, "
-                     f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, {r.quarantined} environments moved aside, "
-                     f"{r.corrupt_counted} corrupt records counted; {r.stored_after} new stores after, {r.stored_after_wrong} wrong "
+                     f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, "
+                     f"{r.quarantined} environments moved aside, "
+                     f"{r.corrupt_counted} corrupt records counted; "
+                     f"{r.stored_after} new stores after, {r.stored_after_wrong} wrong "
                      f"({time.perf_counter() - began:.0f} s)"))
         r = run_flips(work, trials=30, flips=(1, 8, 64, 512))
         reports["flips"] = r
         rows.append(("random bytes of data.mdb overwritten while stopped, each reopen in a child",
-                     f"{r.trials} trials, {r.damaged} bytes: {r.killed} processes killed, {len(r.failed)} errors raised, "
+                     f"{r.trials} trials, {r.damaged} bytes: {r.killed} processes killed, "
+                     f"{len(r.failed)} errors raised, "
                      f"{r.wrong_kv} wrong KV in {r.fetches} fetches, "
-                     f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, {r.quarantined} environments moved aside, "
+                     f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, "
+                     f"{r.quarantined} environments moved aside, "
                      f"{r.corrupt_counted} corrupt records counted"))
         r = run_payloads(work, records=20)
         reports["payloads"] = r
@@ -72,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             r = run_full_disk(work, durability=mode)
             reports[f"full_disk_{mode}"] = r
             rows.append((f"full disk ({r.filesystem}, then filled by another file), {mode}",
-                         f"{r.stores} stores: {r.ok} x 200, {r.insufficient_storage} x 507, {len(r.other_errors)} other; "
+                         f"{r.stores} stores: {r.ok} x 200, {r.insufficient_storage} x 507, "
+                         f"{len(r.other_errors)} other; "
                          f"{r.disk_evictions} disk evictions, {r.wrong_kv} wrong KV, alive {r.alive}, "
                          f"newest pages served from CPU {r.newest_from_cpu}"))
         r = run_load(work, clients=32, duration_s=args.load_s)
@@ -80,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"load: 32 clients, {r.duration_s:.0f} s, 64 KiB-2 MiB pages",
                      f"{r.requests} requests, {r.requests_per_s:.0f} req/s, p50 {r.percentile_ms(0.5):.0f} ms, "
                      f"p99 {r.percentile_ms(0.99):.0f} ms; {r.server_errors} 5xx, {r.wrong_bytes} wrong bytes; "
-                     f"RSS anon peak {r.peak_rss_anon_bytes >> 20} MiB (idle {r.baseline_rss_bytes >> 20} MiB, CPU tier 512 MiB)"))
+                     f"RSS anon peak {r.peak_rss_anon_bytes >> 20} MiB "
+                     f"(idle {r.baseline_rss_bytes >> 20} MiB, CPU tier 512 MiB)"))
         rows.append(("slow clients (a byte a second) and connection limit",
-                     f"{r.slow_cut_off}/{r.slow_clients} cut off with 408 (slowest {r.slow_cut_s:.1f} s, body timeout 2 s); "
-                     f"{r.connections_refused} of {r.connections_tried} connections refused 503 at --max-connections 64"))
+                     f"{r.slow_cut_off}/{r.slow_clients} cut off with 408 "
+                     f"(slowest {r.slow_cut_s:.1f} s, body timeout 2 s); "
+                     f"{r.connections_refused} of {r.connections_tried} connections refused 503 "
+                     "at --max-connections 64"))
     _print(rows, reports, args.json)
     return 0
 

@@ -63,7 +63,8 @@ def token_bytes(tokens: Any, *, max_tokens: int, field: str = "tokens") -> bytes
     try:
         n = len(tokens)
     except TypeError:
-        raise InvalidTokens(f"{field}: expected a list of integer token ids, got {type(tokens).__name__}", field=field) from None
+        raise InvalidTokens(f"{field}: expected a list of integer token ids, got {type(tokens).__name__}",
+                            field=field) from None
     if n > max_tokens:
         raise InvalidTokens(f"{field}: {n} tokens exceeds the limit of {max_tokens}", field=field)
     types = set(map(type, tokens))  # one C-speed pass
@@ -115,10 +116,12 @@ def check_kv(kv: Any, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
             raise InvalidKV(f"kv: expected a torch tensor or numpy array, got {type(kv).__name__}", field="kv")
     want_dtype = TORCH_DTYPES[spec.dtype]
     if kv.dtype != want_dtype:
-        raise InvalidKV(f"kv: dtype must be {spec.dtype} (the model's), got {str(kv.dtype).removeprefix('torch.')}", field="kv")
+        raise InvalidKV(f"kv: dtype must be {spec.dtype} (the model's), got {str(kv.dtype).removeprefix('torch.')}",
+                        field="kv")
     want = spec.kv_shape(num_tokens)
     if tuple(kv.shape) != want:
-        raise InvalidKV(f"kv: shape must be (L, 2, T, H, D) = {want} for {num_tokens} tokens, got {tuple(kv.shape)}", field="kv")
+        raise InvalidKV(f"kv: shape must be (L, 2, T, H, D) = {want} for {num_tokens} tokens, got {tuple(kv.shape)}",
+                        field="kv")
     return kv
 
 
@@ -172,5 +175,6 @@ def check_chunks(chunks: Any, *, max_tokens: int) -> list[bytes]:
 
 def check_start_pos(start_pos: Any) -> int:
     if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= MAX_TOKEN_ID:
-        raise InvalidStart(f"start_pos: expected an integer in [0, {MAX_TOKEN_ID}], got {start_pos!r}", field="start_pos")
+        raise InvalidStart(f"start_pos: expected an integer in [0, {MAX_TOKEN_ID}], got {start_pos!r}",
+                           field="start_pos")
     return start_pos

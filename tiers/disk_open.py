@@ -103,7 +103,8 @@ def verify_structure(path: str, shown: int = 3) -> str | None:
         problems = lmdb_verify.verify(path, subdir=True)
     except lmdb_verify.VerifyError as exc:
         return f"lmdb.verify: {exc}"
-    except (OSError, ValueError, struct.error, IndexError, MemoryError, OverflowError) as exc:  # too short or too odd to walk
+    except (OSError, ValueError, struct.error, IndexError, MemoryError, OverflowError) as exc:
+        # too short or too odd to walk
         return f"lmdb.verify: {type(exc).__name__}: {exc}"
     if not problems:
         return None

@@ -69,7 +69,8 @@ def _fill(data_dir: Path, sequences: int, seed: int) -> list[list[int]]:
         for i in range(sequences):
             tokens = list(range(i * 1000, i * 1000 + rng.randint(1, 80)))
             store.store("m", tokens, expected_kv(SPEC, tokens))
-            stored.append(tokens)  # one commit each (write-through): the free list fills with the pages each one replaced
+            # one commit each (write-through): the free list fills with the pages each one replaced
+            stored.append(tokens)
     return stored
 
 
@@ -80,7 +81,8 @@ def _fetch_all(store: KVStore, stored: list[list[int]], report: CorruptionReport
         report.stored_tokens += len(tokens)
         report.served_tokens += result.matched_tokens
         if result.matched_tokens > len(tokens) or (
-                result.matched_tokens and not torch.equal(result.kv, expected_kv(SPEC, tokens[:result.matched_tokens]))):
+                result.matched_tokens
+                and not torch.equal(result.kv, expected_kv(SPEC, tokens[:result.matched_tokens]))):
             report.wrong_kv += 1
 
 
@@ -192,7 +194,10 @@ def _damage_btree_pages(raw: bytearray, rng: random.Random, nbytes: int) -> int:
         where = rng.randrange(3)
         offset = _node_field(raw, base, lower, rng) if where == 0 and sane else None
         if offset is None and where <= 1 and sane:
-            offset = rng.randrange(0, lower) if rng.random() < 0.3 or upper == PAGE_BYTES else rng.randrange(upper, PAGE_BYTES)
+            if rng.random() < 0.3 or upper == PAGE_BYTES:
+                offset = rng.randrange(0, lower)
+            else:
+                offset = rng.randrange(upper, PAGE_BYTES)
         if offset is None:
             offset = rng.randrange(PAGE_BYTES)
         raw[base + offset] = rng.randrange(256)

@@ -31,17 +31,20 @@ def _best_us(fn, number: int) -> float:
 def bodies() -> dict[str, tuple[str, bytearray]]:
     tokens = list(range(2048))
     kv = bytes(np.random.default_rng(0).integers(0, 256, 256 << 10, dtype=np.uint8))
+    tokens_bin = np.arange(2048, dtype="<i4").tobytes()
+    chunks = [tokens[i:i + 64] for i in range(0, 2048, 64)]
     return {
         "JSON lookup, 2048 tokens": ("json", json.dumps({"model": "m", "tokens": tokens})),
         "JSON store, 256 KiB kv in base64": ("json", json.dumps({"model": "m", "tokens": tokens[:64],
                                                                  "kv": base64.b64encode(kv).decode()})),
-        "JSON blend, 32 chunks of 64": ("json", json.dumps({"model": "m", "chunks": [tokens[i:i + 64] for i in range(0, 2048, 64)]})),
-        "msgpack lookup, 2048 tokens as bin": ("msgpack", msgpack.packb({"model": "m", "tokens": np.arange(2048, dtype="<i4").tobytes()})),
+        "JSON blend, 32 chunks of 64": ("json", json.dumps({"model": "m", "chunks": chunks})),
+        "msgpack lookup, 2048 tokens as bin": ("msgpack", msgpack.packb({"model": "m", "tokens": tokens_bin})),
         "msgpack lookup, 2048 tokens as array": ("msgpack", msgpack.packb({"model": "m", "tokens": tokens})),
-        "msgpack blend, 32 chunks of 64 as arrays": ("msgpack", msgpack.packb({"model": "m", "chunks": [tokens[i:i + 64] for i in range(0, 2048, 64)]})),
-        "msgpack fetch into shm": ("msgpack", msgpack.packb({"model": "m", "tokens": np.arange(2048, dtype="<i4").tobytes(),
+        "msgpack blend, 32 chunks of 64 as arrays": ("msgpack", msgpack.packb({"model": "m", "chunks": chunks})),
+        "msgpack fetch into shm": ("msgpack", msgpack.packb({"model": "m", "tokens": tokens_bin,
                                                              "shm": {"offset": 0, "nbytes": 1 << 21}})),
-        "msgpack store, 2 MiB kv (walked)": ("msgpack", msgpack.packb({"model": "m", "tokens": np.arange(16, dtype="<i4").tobytes(),
+        "msgpack store, 2 MiB kv (walked)": ("msgpack", msgpack.packb({"model": "m",
+                                                                       "tokens": np.arange(16, dtype="<i4").tobytes(),
                                                                        "kv": bytes(2 << 20)})),
     }
 

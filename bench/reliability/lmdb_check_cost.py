@@ -69,8 +69,8 @@ def start_costs(work: Path, gib: float) -> list[str]:
         began = time.perf_counter()
         assert check_in_child(path) is None
         child_s = time.perf_counter() - began
-        rows.append(f"| {records:,} records of {value_bytes >> 10} KiB ({size / (1 << 20):,.0f} MiB) | {verify_s:.2f} | "
-                    f"{walk_s:.2f} | {child_s:.2f} |")
+        rows.append(f"| {records:,} records of {value_bytes >> 10} KiB ({size / (1 << 20):,.0f} MiB) "
+                    f"| {verify_s:.2f} | {walk_s:.2f} | {child_s:.2f} |")
     return rows
 
 
@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        print("| environment | lmdb.verify (s) | verify + LMDB walk, in process (s) | the start check, in a child (s) |\n|---|---|---|---|")
+        print("| environment | lmdb.verify (s) | verify + LMDB walk, in process (s) "
+              "| the start check, in a child (s) |\n|---|---|---|---|")
         print("\n".join(start_costs(work, args.gib)))
-        print("\n| value | txn.get (us) | txn.get(buffers=True) + extent check + copy (us) | extra per read (us) |\n|---|---|---|---|")
+        print("\n| value | txn.get (us) | txn.get(buffers=True) + extent check + copy (us) "
+              "| extra per read (us) |\n|---|---|---|---|")
         print("\n".join(read_costs(work)))
     return 0
 

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str, commit: str, path: str):
-    source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(source)
     spec = importlib.util.spec_from_file_location(name, file)
@@ -37,7 +38,8 @@ old_v = load("validation_before", commit, "kvstore/validation.py")
 old_c = load("client_codec_before", commit, "api/client_codec.py")
 inputs = {"list of 2048 ints": list(range(2048)), "int32 array": np.arange(2048, dtype=np.int32),
           "int64 array": np.arange(2048), "int64 tensor": torch.arange(2048)}
-fns = {"token_bytes": (lambda t: old_v.token_bytes(t, max_tokens=1 << 21), lambda t: new_v.token_bytes(t, max_tokens=1 << 21)),
+fns = {"token_bytes": (lambda t: old_v.token_bytes(t, max_tokens=1 << 21),
+                       lambda t: new_v.token_bytes(t, max_tokens=1 << 21)),
        "client tokens_bin": (old_c.tokens_bin, new_c.tokens_bin)}
 print(f"| tokens | check | at {commit} (us) | now (us) |\n|---|---|---|---|")
 for name, toks in inputs.items():
@@ -48,4 +50,5 @@ for name, toks in inputs.items():
                 b[i] = min(b[i], timeit.timeit(lambda: f(toks), number=300) / 300 * 1e6)
         print(f"| {name} | {fname} | {b[0]:.1f} | {b[1]:.1f} |")
 scalars = list(np.arange(2048))
-print("list of 2048 numpy int64 scalars, token_bytes after:", f"{min(timeit.repeat(lambda: new_v.token_bytes(scalars, max_tokens=1 << 21), number=100, repeat=5))/100*1e6:.0f} us")
+scalars_s = min(timeit.repeat(lambda: new_v.token_bytes(scalars, max_tokens=1 << 21), number=100, repeat=5)) / 100
+print("list of 2048 numpy int64 scalars, token_bytes after:", f"{scalars_s * 1e6:.0f} us")

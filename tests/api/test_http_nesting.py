@@ -79,8 +79,11 @@ async def test_msgpack_nesting_bombs_are_400_on_every_route(http_model, spec, de
         for name, raw in msgpack_bombs(depth).items():
             result = await call(http_model, method, path, raw=raw, headers=MSGPACK_HEADERS)
             # a bomb that is not a map at all may be refused for that first
-            assert_nesting_refused(result, ("body: nested deeper than", "body: expected a msgpack map") if name == "arrays"
-                                   else ("body: nested deeper than",))
+            if name == "arrays":
+                allowed = ("body: nested deeper than", "body: expected a msgpack map")
+            else:
+                allowed = ("body: nested deeper than",)
+            assert_nesting_refused(result, allowed)
     await assert_healthy(http_model, spec)
 
 

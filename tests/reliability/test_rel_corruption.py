@@ -42,7 +42,8 @@ def test_flipped_bytes_of_data_mdb_never_serve_wrong_kv(tmp_path):
 def _filled(tmp_path, sequences: int = 30) -> tuple[str, list[list[int]]]:
     data_dir = tmp_path / "data"
     stored = []
-    with KVStore(StoreConfig(data_dir=str(data_dir), cpu_bytes=0, disk_bytes=16 << 20, durability="write-through")) as store:
+    config = StoreConfig(data_dir=str(data_dir), cpu_bytes=0, disk_bytes=16 << 20, durability="write-through")
+    with KVStore(config) as store:
         store.register_model("m", SPEC)
         for i in range(sequences):
             tokens = list(range(i * 100, i * 100 + 48))
@@ -84,7 +85,8 @@ def test_a_damaged_value_extent_in_a_data_leaf_moves_the_environment_aside(tmp_p
     data_file = f"{path}/data.mdb"
     raw = bytearray(open(data_file, "rb").read())
     nodes = _live_data_leaf_nodes(raw)
-    assert nodes and all(struct.unpack_from("<HH", raw, b + n + 4) == (0x01, 16) for b, n in nodes)  # F_BIGDATA, 16-byte keys
+    # every node: flags F_BIGDATA, 16-byte keys
+    assert nodes and all(struct.unpack_from("<HH", raw, b + n + 4) == (0x01, 16) for b, n in nodes)
     base, node = random.Random(5).choice(nodes)
     if field == "value size":
         struct.pack_into("<H", raw, base + node + 2, 0x4000)  # mn_hi: the value claims 1 GiB more

@@ -17,7 +17,8 @@ from kvstore.tiers.disk_record import CorruptRecord, decode_header
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=40),
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6), max_leaves=30)
 
 
@@ -113,7 +114,8 @@ def _decoded(body: bytes, small_limit: int):
 @given(st.one_of(st.binary(max_size=200),
                  st.dictionaries(st.text(max_size=8) | st.integers(0, 9), msgpack_values, max_size=6).map(
                      lambda d: msgpack.packb(d, use_bin_type=True)),
-                 st.tuples(st.dictionaries(st.text(max_size=8), msgpack_values, max_size=4), st.binary(min_size=1, max_size=4))
+                 st.tuples(st.dictionaries(st.text(max_size=8), msgpack_values, max_size=4),
+                           st.binary(min_size=1, max_size=4))
                  .map(lambda p: msgpack.packb(p[0], use_bin_type=True) + p[1])))
 def test_small_and_large_body_decoders_agree(body):
     """Small bodies go through msgpack's C unpacker, large ones through the zero-copy walker:
