@@ -64,8 +64,9 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                if self.client().ping():
-                    return
+                with self.client() as probe:  # closed now, not whenever the collector gets to it
+                    if probe.ping():
+                        return
             except redis.exceptions.ConnectionError:
                 time.sleep(0.02)
         self.stop()

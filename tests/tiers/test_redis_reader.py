@@ -52,7 +52,9 @@ def test_pipelined_batches_come_back_in_order_bit_exact(client, ahead: int):
             else:
                 assert value == stored[key]
     assert client.get(keys[6]) == stored[keys[6]]  # the connection went back clean ...
-    assert {c["id"] for c in client.client_list()} == connections  # ... and no other was opened
+    # ... and no other was opened. (Only new ids count: a connection someone else closed, such
+    # as the server fixture's start-up probe, may leave the list at any moment.)
+    assert {c["id"] for c in client.client_list()} - connections == set()
 
 
 def test_many_small_values_in_one_batch_come_back_bit_exact(client):
