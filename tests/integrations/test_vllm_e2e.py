@@ -203,21 +203,6 @@ def test_an_in_process_store_serves_a_restarted_engine_from_its_disk_tier(checkp
     # store by the scheduler's process (the connector's loopback sidecar).
     (restarted,) = run_fresh_engine(checkpoint, extra, [second], multiprocessing=True)
     assert restarted == {"tokens": cold[1]["tokens"], "cached": PREFIX}
-    # Every stored page of the first engine is damaged on disk; the index still lists them, so
-    # the next engine is promised the prefix, finds it corrupt when loading, and recomputes.
-    env = lmdb.open(str(tmp_path / "data" / "pages"), max_dbs=2, map_size=64 << 20)
-    data = env.open_db(b"data")
-    with env.begin(write=True) as txn:
-        damaged = 0
-        for key, value in list(txn.cursor(data)):
-            flipped = bytearray(value)
-            flipped[len(flipped) // 2] ^= 0x10
-            txn.put(key, bytes(flipped), db=data)
-            damaged += 1
-    env.close()
-    assert damaged >= PREFIX // 16
-    (after,) = run_fresh_engine(checkpoint, extra, [second])
-    assert after["tokens"] == cold[1]["tokens"]
 
 
 # -- one KV layout for vLLM and our decode loop ---------------------------------------------------
@@ -301,6 +286,49 @@ def test_preempted_requests_store_and_load_correctly(llm):
 
 
 # -- failures never change the output ------------------------------------------------------------
+
+def settled_records(data_dir: Path) -> int:
+    """The sidecar's LMDB records, once its disk writer has stopped adding any (another process
+    may open the environment: LMDB locks across processes)."""
+    env = lmdb.open(str(data_dir / "pages"), max_dbs=2, readonly=True, lock=True)
+    try:
+        data, last, deadline = env.open_db(b"data", create=False), -1, time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with env.begin() as txn:
+                count = txn.stat(data)["entries"]
+            if count == last:
+                return count
+            last = count
+            time.sleep(0.5)
+        return last
+    finally:
+        env.close()
+
+
+def test_a_page_corrupted_between_lookup_and_load_is_recomputed(llm, sidecar):
+    prompt = prompt_tokens(23, 700)
+    expected = recomputed(llm, prompt)
+    assert run(llm, [prompt])[0] == (expected, 0)
+    assert settled_records(sidecar.data_dir) >= 672 // 16
+    # Every record on the sidecar's disk is damaged; its index still lists the pages, so the
+    # lookup promises the prefix and the load finds it corrupt.
+    pages = str(sidecar.data_dir / "pages")
+    with lmdb.open(pages, max_dbs=2, readonly=True, lock=True) as reader:
+        map_size = reader.info()["map_size"]  # the sidecar's: a writer must map as much
+    env = lmdb.open(pages, max_dbs=2, lock=True, map_size=map_size)
+    data = env.open_db(b"data", create=False)
+    with env.begin(write=True) as txn:
+        for key, value in list(txn.cursor(data)):
+            flipped = bytearray(value)
+            flipped[len(flipped) // 2] ^= 0x10
+            txn.put(key, bytes(flipped), db=data)
+    env.close()
+    stats = get_kv_transfer_group().worker.stats
+    failed_before = stats["failed_blocks"]
+    tokens, _ = run(llm, [prompt])[0]
+    assert tokens == expected
+    assert stats["failed_blocks"] > failed_before  # promised, not delivered: vLLM recomputed those blocks
+
 
 def test_a_killed_sidecar_costs_a_recompute_not_an_error(llm, sidecar, client):
     prompt = prompt_tokens(21, 700)
