@@ -315,11 +315,13 @@ def test_a_page_corrupted_between_lookup_and_load_is_recomputed(llm, sidecar):
     pages = str(sidecar.data_dir / "pages")
     with lmdb.open(pages, max_dbs=2, readonly=True, lock=True) as reader:
         map_size = reader.info()["map_size"]  # the sidecar's: a writer must map as much
-    env = lmdb.open(pages, max_dbs=2, lock=True, map_size=map_size)
+    env = lmdb.open(pages, max_dbs=2, lock=True, map_size=map_size, sync=False, metasync=False)
     data = env.open_db(b"data", create=False)
-    with env.begin(write=True) as txn:
-        for key, value in list(txn.cursor(data)):
-            flipped = bytearray(value)
+    with env.begin() as txn:
+        keys = [key for key, _ in txn.cursor(data)]
+    for key in keys:  # a transaction each: rewriting them all at once would need the map twice over
+        with env.begin(write=True) as txn:
+            flipped = bytearray(txn.get(key, db=data))
             flipped[len(flipped) // 2] ^= 0x10
             txn.put(key, bytes(flipped), db=data)
     env.close()
