@@ -77,6 +77,7 @@ def test_invariants_hold_through_a_replay(preset: str, policy: str) -> None:
     assert checked.hit_ratio == replay(trace, tiers, policy).hit_ratio > 0
 
 
+@pytest.mark.slow  # a research policy's long replays: pytest -m slow tests/bench
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_duel_freq_at_least_lru_on_generated_traces_with_sampled_shadows(preset: str) -> None:
     # Tiers of 4096+ pages: the shadows see 1/4 to 1/8 of the keys, enough for the duel to follow
@@ -96,6 +97,7 @@ def test_follows_the_rule_that_keeps_a_prompt_recurring_between_one_off_prompts(
     assert dueled > lru + (kept - lru) // 2
 
 
+@pytest.mark.slow  # a research policy's long replays: pytest -m slow tests/bench
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_duel_freq_is_leaf_first_and_no_worse_than_lru_on_generated_traces(preset: str) -> None:
     assert_leaf_first_and_no_worse_than_lru("duel-freq", preset)
