@@ -46,7 +46,7 @@ bench: install
 	$(PY) bench/tiers.py --json bench/out/tiers.json
 	$(PY) bench/api.py --json bench/out/api.json
 	$(PY) bench/redis_tier.py --json bench/out/redis_tier.json
-	$(PY) bench/eviction.py bench/data/mooncake_synthetic.jsonl --policies lru,lru-prefix,arc-prefix,lru-tail,belady \
+	$(PY) bench/eviction.py bench/data/mooncake_synthetic.jsonl --policies lru,lru-prefix,arc-prefix,lru-tail,seen-before,duel,seen-often,seen-learned,duel-freq,belady \
 	    --json bench/out/eviction.json --plot docs/eviction.png
 	$(PY) bench/ttft.py --json bench/out/ttft.json
 	$(PY) bench/blend_quality.py --json bench/out/blend_quality.json

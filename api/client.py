@@ -278,9 +278,8 @@ class AsyncKVStoreClient:
     pool of `max_connections` threads, so the event loop never waits on the sidecar and the KV
     takes the same path (shared memory on the sidecar's host, scatter-gather sends, answers read
     into one buffer). Why not aiohttp's client: it joins a store's parts into one bytes object
-    and reads answers through its stream reader; against the same sidecar (interleaved, 2 MiB,
-    p50) it took 1.27 ms a fetch and 1.76 ms a store from one task, against 0.40 and 0.55 ms this
-    way, and 8 tasks moved 2.7x more fetches and 3.5x more stores per second this way.
+    and reads answers through its stream reader, several times slower per request than this
+    client against the same sidecar (docs/performance.md).
 
     A cancelled call's thread finishes its request (every route is idempotent); `close()` waits
     for calls in flight, then closes the connections and the arena."""

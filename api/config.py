@@ -29,11 +29,11 @@ class ServerConfig:
     max_connections: int = 1024  # open client connections; one more is answered 503 and closed
     shared_memory: bool = True  # same-host clients may move KV through shared memory (api/shared_memory.py)
     # A fetch or store moving at most this many bytes with no I/O to do (memory tiers only, no
-    # Redis, no disk writes) runs on the event loop: copying 4 MiB takes ~0.2 ms, the hop to a
-    # pool thread and back 0.05-0.3 ms on a busy 2-vCPU host.
+    # Redis, no disk writes) runs on the event loop: a copy that size costs about what the hop to a
+    # pool thread and back does on a busy host, so the hop would only add to it.
     inline_copy_bytes: int = 4 << 20
     # Answer data requests that need no I/O straight from the connection's reads, before
-    # aiohttp's request machinery (api/fast_path.py): ~0.1 ms of a 2 MiB fetch on loopback.
+    # aiohttp's request machinery (api/fast_path.py; what it saves: docs/performance.md).
     fast_path: bool = True
 
     def __post_init__(self) -> None:

@@ -157,8 +157,8 @@ def unpack_map(body: bytes | bytearray | memoryview, max_depth: int | None = Non
 
 
 def _unpack_small(buf: memoryview, max_depth: int | None) -> dict[str, Any]:
-    """msgpack's C unpacker (~0.5 us for a lookup's body, against ~7 us for the walk above), with
-    the same checks and messages; top-level bins become writable memoryviews."""
+    """msgpack's C unpacker (an order of magnitude faster than the walk above on small bodies),
+    with the same checks and messages; top-level bins become writable memoryviews."""
     if not len(buf):
         raise FramingError("empty body, expected a msgpack map")
     containers = [0]

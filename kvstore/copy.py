@@ -2,7 +2,7 @@
 
 torch parallelises a large CPU copy over its OpenMP threads. On a machine whose cores are busy
 (a sidecar next to an engine, a shared CI box) a parallel region waits for descheduled threads,
-and a 2 MiB copy measured 5-15 ms instead of 0.03 ms. numpy's copy is one memcpy-speed loop on
+and a small copy takes milliseconds instead of microseconds. numpy's copy is one memcpy-speed loop on
 the calling thread and releases the GIL, so concurrent requests still copy in parallel. Device
 copies, and dtypes numpy lacks (bfloat16 is viewed as int16), go through torch as usual.
 """
@@ -34,8 +34,8 @@ NUMPY_DTYPES: dict[str, np.dtype] = {name: _numpy_view_dtype(dtype) for name, dt
 
 def host_array(t: torch.Tensor) -> np.ndarray | None:
     """`t` as a numpy array sharing its memory (bfloat16 as int16: `NUMPY_DTYPES`) when it is on
-    the CPU, else None. The store's per-page copies slice these: a numpy view costs ~0.2 us where
-    a torch view costs 1-2 us, ~10 us of Python per 4-page fetch or store."""
+    the CPU, else None. The store's per-page copies slice these: a numpy view is several times
+    cheaper to make than a torch view (docs/performance.md)."""
     if t.is_cpu and t.element_size() in _SAME_WIDTH_INT and not t.requires_grad:
         return _as_numpy(t)
     return None

@@ -1,7 +1,7 @@
 """Host tensors backed by transparent huge pages, for the store's large CPU buffers.
 
 A fetch returns a new tensor; filling fresh memory page-faults once per 4 KiB page, and that
-dominated a 64 MiB fetch (34 ms, against 8 ms when the same copies land in 2 MiB pages).
+dominated a large fetch (docs/performance.md has the figures).
 Anonymous memory advised `MADV_HUGEPAGE` faults once per 2 MiB instead, which works whatever the
 system's THP setting is short of `never`. Small tensors use torch's allocator as usual.
 """

@@ -170,7 +170,7 @@ class StridedBlockLayout(PagedLayout):
 
     # On the CPU the copies go through numpy: whole blocks are copied as rows, then K and V are
     # rearranged by one strided copy each, all on this thread. torch's index ops on the same
-    # views run 5-10x slower on a busy 2-core host (its OpenMP threads wait for descheduled ones).
+    # views run several times slower on a busy host (its OpenMP threads wait for descheduled ones).
     def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         n = block_ids.numel()
         out = torch.empty((2, n, self.block_size, self.num_kv_heads, self.head_dim), dtype=layer.dtype,
