@@ -163,11 +163,7 @@ class KVStore:
         `into`: a flat uint8 CPU tensor the answer is written into (then `kv` views its first
         bytes) when it is large enough; a fresh tensor otherwise. The sidecar passes a region of
         a client's shared memory here, an engine its own staging buffer."""
-        entry = self._model(model, tenant)
-        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
-        start = check_start(start, len(tb) // TOKEN_BYTES)
-        dev = _device(device)
-        return self._fetch(entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
+        return self.plan_fetch(model, tokens, start=start, tenant=tenant, device=device, into=into).run()
 
     def _fetch(self, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
                count: bool = True, into: torch.Tensor | None = None) -> FetchResult:
@@ -276,8 +272,7 @@ class KVStore:
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
         dev = _device(device)
-        if self._tiers.shared is not None:
-            probe_shared(self._state, entry.namespace, entry.spec, tb)
+        probe_shared(self._state, entry.namespace, entry.spec, tb)  # returns at once without a shared tier
         plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
         assert plan is not None
         return plan
