@@ -2,8 +2,11 @@
 
 Why not http.client: it sends the request head and the body in separate syscalls, parses
 headers with the email package, and has no scatter-gather send. Here a request (head, small
-fields and the tensor's memory) goes out in one `sendmsg` without joining, and a response body
-of known length is read straight into one preallocated buffer. It speaks only what the sidecar
+fields and the tensor's memory) goes out in one `sendmsg` without joining, and the answer is
+read with as few syscalls as it allows: one `recv_into` a reused buffer usually holds a small
+answer whole (head and body), and a large body goes straight from the socket into one
+preallocated buffer. Why not a buffered file over the socket: its `readline` per header line
+cost more than the rest of the client's work on a small answer. It speaks only what the sidecar
 answers: Content-Length or chunked bodies, keep-alive unless the server says close.
 """
 from __future__ import annotations
@@ -11,13 +14,12 @@ from __future__ import annotations
 import socket
 from typing import Any, Sequence
 
-import torch
+from kvstore.host_memory import empty_host_bytes
 
-from kvstore.host_memory import empty_host
-
-_MAX_HEAD_LINE = 16 << 10
+_MAX_HEAD_BYTES = 64 << 10  # a whole answer head; the sidecar's are ~120 bytes
 _MAX_HEADERS = 100
 _SMALL_BODY_BYTES = 64 << 10
+_READ_BYTES = 128 << 10  # the reused read buffer: a small answer and the head of a large one
 
 
 class ProtocolError(OSError):
@@ -25,69 +27,118 @@ class ProtocolError(OSError):
 
 
 class Connection:
+    """Invariant: `_buf[_pos:_end]` holds the bytes received and not yet consumed (the start of
+    the next answer, or nothing); everything before `_pos` is consumed."""
+
     def __init__(self, host: str, port: int, *, timeout_s: float, socket_buffer_bytes: int = 0):
         self.sock = socket.create_connection((host, port), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if socket_buffer_bytes:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, socket_buffer_bytes)
-        self._reader = self.sock.makefile("rb", buffering=256 << 10)
+        self._buf = bytearray(_READ_BYTES)
+        self._view = memoryview(self._buf)
+        self._pos = self._end = 0
         self.served = 0  # requests answered on this connection (a reused one may be stale)
         self.closed = False
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._reader.close()
             self.sock.close()
 
-    def request(self, head: bytes, parts: Sequence[Any]) -> tuple[int, str, bytearray | memoryview]:
+    def request(self, head: bytes, parts: Sequence[Any]) -> tuple[int, str, bytes | bytearray | memoryview]:
         """Send `head` (request line and headers, blank line included) then `parts`; read the
         answer -> (status, content type, body)."""
         _send_all(self.sock, [head, *parts])
         status, headers = self._read_head()
         if headers.get("transfer-encoding", "").lower() == "chunked":
-            body = self._read_chunked()
+            body: bytes | bytearray | memoryview = self._read_chunked()
         elif "content-length" in headers:
-            body = self._read_exact(int(headers["content-length"]))
+            length = headers["content-length"]
+            if not length.isdigit():
+                raise ProtocolError(f"bad Content-Length {length[:40]!r}")
+            body = self._read_exact(int(length))
         else:  # delimited by close
-            body = bytearray(self._reader.read())
+            body = self._read_to_close()
             headers["connection"] = "close"
         self.served += 1
         if headers.get("connection", "").lower() == "close":
             self.close()
         return status, headers.get("content-type", ""), body
 
-    def _readline(self) -> bytes:
-        line = self._reader.readline(_MAX_HEAD_LINE)
-        if not line.endswith(b"\n"):
-            raise ProtocolError("connection closed while reading the response head")
-        return line
+    # ---- the read buffer ----------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        """Receive more bytes after `_end` (moving the unconsumed ones to the front first when
+        the buffer's tail is full); ProtocolError if the server closed."""
+        if self._end == len(self._buf):
+            if self._pos == 0:
+                raise ProtocolError(f"answer head longer than {_MAX_HEAD_BYTES} bytes")
+            self._buf[:self._end - self._pos] = self._buf[self._pos:self._end]
+            self._pos, self._end = 0, self._end - self._pos
+        n = self.sock.recv_into(self._view[self._end:])
+        if not n:
+            raise ProtocolError("connection closed while reading the response")
+        self._end += n
+
+    def _take(self, nbytes: int) -> bytes:
+        """The next `nbytes` buffered bytes (the caller made sure they are there)."""
+        out = bytes(self._view[self._pos:self._pos + nbytes])
+        self._pos += nbytes
+        if self._pos == self._end:
+            self._pos = self._end = 0
+        return out
 
     def _read_head(self) -> tuple[int, dict[str, str]]:
-        status_line = self._readline().split(None, 2)
-        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
-            raise ProtocolError(f"not an HTTP/1.x status line: {b' '.join(status_line)[:80]!r}")
+        # The head ends at the first empty line, CRLF or bare LF ("\n\r\n" or "\n\n").
+        scanned = self._pos
+        while True:
+            crlf = self._buf.find(b"\n\r\n", scanned, self._end)
+            lf = self._buf.find(b"\n\n", scanned, self._end)
+            if crlf >= 0 or lf >= 0:
+                end = min(crlf + 3 if crlf >= 0 else 1 << 62, lf + 2 if lf >= 0 else 1 << 62)
+                break
+            if self._end - self._pos > _MAX_HEAD_BYTES:
+                raise ProtocolError(f"answer head longer than {_MAX_HEAD_BYTES} bytes")
+            scanned = max(self._pos, self._end - 2)  # an empty line may straddle two reads
+            self._fill()
+        lines = self._take(end - self._pos).split(b"\n")
+        status_line = lines[0].split(None, 2)
+        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1.") or not status_line[1].isdigit():
+            raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        if len(lines) - 3 > _MAX_HEADERS:  # the status line and the empty line's two pieces
+            raise ProtocolError("too many response headers")
         headers: dict[str, str] = {}
-        for _ in range(_MAX_HEADERS):
-            line = self._readline()
-            if line in (b"\r\n", b"\n"):
-                return int(status_line[1]), headers
+        for line in lines[1:]:
+            if line in (b"", b"\r"):
+                continue
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
-        raise ProtocolError("too many response headers")
+        return int(status_line[1]), headers
+
+    def _readline(self) -> bytes:
+        while (newline := self._buf.find(b"\n", self._pos, self._end)) < 0:
+            if self._end - self._pos > _MAX_HEAD_BYTES:
+                raise ProtocolError(f"line longer than {_MAX_HEAD_BYTES} bytes")
+            self._fill()
+        return self._take(newline + 1 - self._pos)
 
     def _read_exact(self, nbytes: int) -> bytes | memoryview:
+        buffered = self._end - self._pos
+        if nbytes <= buffered:  # a small answer: it came with its head
+            return self._take(nbytes)
         if nbytes <= _SMALL_BODY_BYTES:  # an answer without kv (or a shared-memory one)
-            data = self._reader.read(nbytes)
-            if len(data) != nbytes:
-                raise ProtocolError(f"connection closed after {len(data)} of {nbytes} body bytes")
-            return data
+            while self._end - self._pos < nbytes:
+                self._fill()
+            return self._take(nbytes)
         # Unzeroed (and in huge pages when large): a zero-filled bytearray page-faulted once per
         # 4 KiB before the first byte arrived, a third of a 2 MiB fetch's time on loopback.
-        view = empty_host((nbytes,), torch.uint8).numpy().data
-        got = 0
-        while got < nbytes:
-            n = self._reader.readinto(view[got:])
+        view = empty_host_bytes(nbytes).data
+        view[:buffered] = self._view[self._pos:self._end]
+        self._pos = self._end = 0
+        got = buffered
+        while got < nbytes:  # straight from the socket into the answer's buffer
+            n = self.sock.recv_into(view[got:])
             if not n:
                 raise ProtocolError(f"connection closed after {got} of {nbytes} body bytes")
             got += n
@@ -95,11 +146,25 @@ class Connection:
 
     def _read_chunked(self) -> bytearray:
         body = bytearray()
-        while size := int(self._readline().split(b";")[0], 16):
+        while True:
+            size_field = self._readline().split(b";")[0].strip()
+            try:
+                size = int(size_field, 16)
+            except ValueError:
+                raise ProtocolError(f"bad chunk size {size_field[:40]!r}") from None
+            if not size:
+                break
             body += self._read_exact(size)
             self._readline()
         while self._readline() not in (b"\r\n", b"\n"):  # trailers
             pass
+        return body
+
+    def _read_to_close(self) -> bytearray:
+        body = bytearray(self._view[self._pos:self._end])
+        self._pos = self._end = 0
+        while chunk := self.sock.recv(_READ_BYTES):
+            body += chunk
         return body
 
 
