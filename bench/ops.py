@@ -1,0 +1,621 @@
+"""Per-operation cost of the hot path: one-page and four-page store and fetch, a fetch into a
+caller's buffer, a disk-tier fetch, and the same through the sidecar, each beside a memcpy of the
+same bytes and the cheapest store Python allows, measured interleaved in one run.
+
+    python bench/ops.py [--quick] [--rounds 5] [--seconds 0.4] [--json FILE] [--paths ...] [--no-redis]
+
+Every case is timed call by call (p50, p90) in rounds; in each round the case and its baselines
+run in alternating blocks of a few calls, so a burst of load on this shared machine hits all of
+them alike. The figures to read are the ratios within the run:
+
+  - memcpy: `np.copyto` of the same bytes into a preallocated array; for an operation that
+    returns fresh memory also a copy into a fresh array (`ndarray.copy()`), and the faster of the
+    two counts (the table says which). "speed vs memcpy" is memcpy time / operation time.
+  - dict: a dict from a precomputed key to a preallocated buffer, one copy out (a fresh copy for
+    a fetch, `np.copyto` into the caller's buffer for a fetch `into=`) or, for a store, one copy
+    in. "cost vs dict" is operation time / dict time.
+  - redis-py (sidecar rows, when `redis-server` is installed): GET/SET of the same bytes against
+    a local redis-server, with hiredis and with redis-py's pure-Python parser and packer; the
+    faster configuration for each operation counts.
+
+The baselines cycle over as many distinct buffers as the case cycles over stored values, so
+both read memory equally cold. Stores write new tokens every call into a tier filled to
+capacity first (steady state: each store evicts). Tokens are Python lists of ints. In-process,
+the collector is set as the README advises an embedder (`gc.freeze()`, threshold 50,000); the
+sidecar sets it itself.
+
+The kvstore measured is whichever `import kvstore` finds (printed first), so the same script
+gives before/after figures: `PYTHONPATH=/path/to/old/site python bench/ops.py`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import kvstore  # noqa: E402
+from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
+
+# 1 layer x 8 KV heads x 128 dims x fp16 x 16 tokens x (K, V) = a 64 KiB page.
+SPEC_64K = ModelSpec(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
+# 8 layers x 8 KV heads x 128 dims x fp16 x 16 tokens x (K, V) = a 512 KiB page: 2 MiB is 4 pages.
+SPEC_512K = ModelSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
+KIB, MIB = 1 << 10, 1 << 20
+GC_YOUNG_THRESHOLD = 50_000  # what `kvstore serve` sets, and the README advises an embedder to
+
+
+@dataclass
+class Target:
+    """`kind` "cost": operation time / baseline time <= bound; "speed": baseline / operation >= bound."""
+    baseline: str  # memcpy, dict or redis
+    kind: str
+    bound: float
+
+    def text(self) -> str:
+        return f"{self.kind} vs {self.baseline} {'<=' if self.kind == 'cost' else '>='} {self.bound:g}"
+
+
+@dataclass
+class Case:
+    path: str  # in-process, disk only, cpu+disk, sidecar shm, sidecar tcp
+    op: str  # store, fetch, fetch into
+    nbytes: int
+    call: Callable[[int], Any]  # call i of the operation
+    memcpy: Callable[[int], Any]  # np.copyto of the same bytes into a preallocated array
+    dict_op: Callable[[int], Any]
+    fresh: Callable[[int], Any] | None = None  # a copy into a fresh array (operations that return fresh memory)
+    redis: dict[str, Callable[[int], Any]] = field(default_factory=dict)  # config -> SET or GET
+    targets: list[Target] = field(default_factory=list)
+    note: str = ""
+    block: int = 8  # calls per subject per block
+    check: Callable[[], str] | None = None  # after the run: what the case really did (e.g. disk pages per fetch)
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}: {self.op} {size_name(self.nbytes)}"
+
+    def subjects(self) -> dict[str, Callable[[int], Any]]:
+        out = {"op": self.call, "memcpy": self.memcpy, "dict": self.dict_op}
+        if self.fresh is not None:
+            out["memcpy-fresh"] = self.fresh
+        out.update({f"redis-{config}": fn for config, fn in self.redis.items()})
+        return out
+
+
+def size_name(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+# ---- the baselines -------------------------------------------------------------------------
+
+class Values:
+    """`count` distinct source buffers of `nbytes` (the bytes each case's values hold), the
+    arrays the baselines copy from and into, and the dict baseline's table."""
+
+    def __init__(self, nbytes: int, count: int, seed: int):
+        gen = np.random.default_rng(seed)
+        self.src = [gen.integers(0, 255, nbytes, dtype=np.uint8) for _ in range(count)]
+        self.dst = np.empty(nbytes, dtype=np.uint8)
+        self.dst[:] = 1  # faulted in
+        self.keys = [f"value:{nbytes}:{i}".encode() for i in range(count)]
+        self.table = dict(zip(self.keys, self.src))
+        self.count = count
+
+    def memcpy(self, i: int) -> None:
+        np.copyto(self.dst, self.src[i % self.count])
+
+    def fresh(self, i: int) -> np.ndarray:
+        return self.src[i % self.count].copy()
+
+    def dict_get(self, i: int) -> np.ndarray:
+        return self.table[self.keys[i % self.count]].copy()
+
+    def dict_get_into(self, into: np.ndarray) -> Callable[[int], None]:
+        keys, table, count = self.keys, self.table, self.count
+        return lambda i: np.copyto(into, table[keys[i % count]])
+
+    def dict_put(self, source: np.ndarray) -> Callable[[int], None]:
+        keys, table, count = self.keys, self.table, self.count
+        return lambda i: np.copyto(table[keys[i % count]], source)
+
+
+def kv_for(spec: ModelSpec, nbytes: int, seed: int) -> torch.Tensor:
+    tokens = nbytes // spec.bytes_per_token
+    assert tokens * spec.bytes_per_token == nbytes
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(spec.kv_shape(tokens), generator=gen).to(torch.float16)  # (L, 2, T, H, D)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact (the values are random bytes: some are NaNs, which torch.equal calls unequal)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def flat_bytes(kv: torch.Tensor) -> np.ndarray:
+    return kv.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+class TokenSource:
+    """Distinct token ids: every store writes new pages, every prestored value has its own prompt."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self, n: int) -> list[int]:
+        first, self.next = self.next, self.next + n
+        return list(range(first, first + n))
+
+
+def fill(store_fn: Callable[[list[int]], Any], tier_bytes: Callable[[], int], capacity: int, nbytes: int,
+         tokens: TokenSource, n_tokens: int) -> None:
+    """Store new values until the tier is full: a long-running store's memory is all touched and
+    every store evicts, which is what a store costs in steady state."""
+    for _ in range(capacity // nbytes + 4):
+        if tier_bytes() >= capacity - nbytes:
+            break
+        store_fn(tokens.take(n_tokens))
+
+
+# ---- in-process ----------------------------------------------------------------------------
+
+def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list[Case], list[Any]]:
+    """A store for the fetch cases (every value fits: nothing is evicted while they run) and one
+    for the store cases (filled, so each store evicts)."""
+    cases: list[Case] = []
+    big = big_mib * MIB
+    plan = [(SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 32), (SPEC_512K, big, 2)]
+    fetch_store = KVStore(StoreConfig(data_dir=None, disk_bytes=0,
+                                      cpu_bytes=sum(n * k for _, n, k in plan) + 16 * MIB))
+    # One store per page size for the store cases: a CPU tier's freed slots serve only pages of
+    # their own size (tiers/slots.py), so one tier shared by both would refuse the larger pages.
+    store_stores = {spec: KVStore(StoreConfig(data_dir=None, disk_bytes=0, cpu_bytes=64 * MIB))
+                    for spec in (SPEC_64K, SPEC_512K)}
+    model = {SPEC_64K: "m64k", SPEC_512K: "m512k"}
+    for spec, name in model.items():
+        fetch_store.register_model(name, spec)
+        store_stores[spec].register_model(name, spec)
+    for spec, nbytes, count in plan:
+        if nbytes == big and big == 2 * MIB:
+            continue
+        values = Values(nbytes, count, seed=nbytes)
+        n_tokens = nbytes // spec.bytes_per_token
+        kvs = [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(n_tokens)) for src in values.src]
+        prompts = [tokens.take(n_tokens) for _ in range(count)]
+        for prompt, kv in zip(prompts, kvs):
+            fetch_store.store(model[spec], prompt, kv)
+        m = model[spec]
+        got = fetch_store.fetch(m, prompts[0])
+        if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[0]):
+            raise SystemExit(f"in-process fetch of {size_name(nbytes)} did not return the stored KV")
+        into = torch.empty(nbytes, dtype=torch.uint8)
+        into.fill_(1)
+        into_np = into.numpy()
+        got = fetch_store.fetch(m, prompts[0], into=into)
+        if not same_bytes(into.view(torch.float16).view(spec.kv_shape(n_tokens)), kvs[0]) or \
+                got.kv.data_ptr() != into.data_ptr():
+            raise SystemExit(f"in-process fetch into= of {size_name(nbytes)} did not land in the caller's buffer")
+
+        def fetch(i: int, m=m, prompts=prompts, count=count) -> Any:
+            return fetch_store.fetch(m, prompts[i % count])
+
+        def fetch_into(i: int, m=m, prompts=prompts, count=count, into=into) -> Any:
+            return fetch_store.fetch(m, prompts[i % count], into=into)
+
+        def into_copy(i: int, dst=into_np, v=values) -> None:
+            np.copyto(dst, v.src[i % v.count])
+
+        block = 8 if nbytes <= 2 * MIB else 2
+        if nbytes < big:
+            cases.append(Case("in-process", "fetch", nbytes, fetch, values.memcpy, values.dict_get, values.fresh,
+                              targets=[Target("dict", "cost", 3.0)] if nbytes == 64 * KIB else [], block=block))
+        if nbytes >= 2 * MIB:
+            cases.append(Case("in-process", "fetch into", nbytes, fetch_into, into_copy, values.dict_get_into(into_np),
+                              targets=[Target("memcpy", "speed", 0.7 if nbytes == 2 * MIB else 0.9)],
+                              note="into= a preallocated flat uint8 tensor", block=block))
+        if nbytes < big:
+            kv, store_store = kvs[0], store_stores[spec]
+            source = flat_bytes(kv).copy()  # not the dict's own buffer: a store copies from the caller's KV
+            fill(lambda p, m=m, kv=kv, s=store_store: s.store(m, p, kv),
+                 lambda s=store_store: s.stats()["tiers"]["cpu"]["bytes"], 64 * MIB, nbytes, tokens, n_tokens)
+            # Prompts made outside the timed call: a store's cost, not building its token list.
+            pending: list[list[int]] = []
+
+            def store(i: int, m=m, kv=kv, pending=pending, s=store_store) -> Any:
+                return s.store(m, pending.pop(), kv)
+
+            def prepare(n: int, pending=pending, n_tokens=n_tokens) -> None:
+                pending.extend(tokens.take(n_tokens) for _ in range(n))
+
+            cases.append(Case("in-process", "store", nbytes, store, values.memcpy, values.dict_put(source),
+                              targets=[Target("dict", "cost", 4.0)] if nbytes == 64 * KIB else [], block=block))
+            cases[-1].prepare = prepare  # type: ignore[attr-defined]
+    return cases, [fetch_store, *store_stores.values()]
+
+
+def disk_cases(tmp: Path, tokens: TokenSource) -> tuple[list[Case], list[Any]]:
+    """2 MiB (4 x 512 KiB pages) fetched from the disk tier, its records in the OS page cache,
+    round-robin over 16 values: in a store with only the disk tier, and in the default CPU+disk
+    store whose CPU tier holds one value, so each fetch reads its 4 pages from disk and promotes
+    them (evicting the previous value's copies, which are also on disk: no write)."""
+    nbytes, count, spec = 2 * MIB, 16, SPEC_512K
+    n_tokens = nbytes // spec.bytes_per_token
+    values = Values(nbytes, count, seed=7)
+    kvs = [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(n_tokens)) for src in values.src]
+    prompts = [tokens.take(n_tokens) for _ in range(count)]
+    cases, stores = [], []
+    for path, cpu_bytes, how in (("disk only", 0, "disk-only store (cpu_bytes=0)"),
+                                 ("cpu+disk", nbytes, "CPU tier of one value; every fetch reads disk and promotes")):
+        store = KVStore(StoreConfig(data_dir=str(tmp / path.replace(" ", "-").replace("+", "-")),
+                                    cpu_bytes=cpu_bytes, disk_bytes=4 * count * nbytes))
+        stores.append(store)
+        store.register_model("m", spec)
+        for prompt, kv in zip(prompts, kvs):
+            store.store("m", prompt, kv)
+        store.flush()
+        for i, prompt in enumerate(prompts):  # one pass: every value's records in the OS page cache
+            got = store.fetch("m", prompt)
+            if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[i]):
+                raise SystemExit(f"{path} fetch did not return the stored KV")
+        before = dict(store.stats()["tiers"]["disk"])
+        calls = [0]
+
+        def fetch(i: int, store=store, calls=calls) -> Any:
+            calls[0] += 1
+            return store.fetch("m", prompts[i % count])
+
+        def check(store=store, before=before, calls=calls, how=how) -> str:
+            disk = store.stats()["tiers"]["disk"]
+            per_fetch = (disk["hits"] - before["hits"]) / max(1, calls[0])
+            return f"{how}: {per_fetch:.2f} disk pages read per fetch (4 = all)"
+
+        cases.append(Case(path, "fetch", nbytes, fetch, values.memcpy, values.dict_get, values.fresh,
+                          targets=[Target("memcpy", "speed", 0.5)], check=check))
+    return cases, stores
+
+
+# ---- the sidecar ---------------------------------------------------------------------------
+
+LAUNCH = """import sys, kvstore
+print(kvstore.__file__, flush=True)
+from kvstore.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_sidecar(data_dir: Path, cpu_bytes: int, launch: str = LAUNCH,
+                  extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
+    """`kvstore serve` (CPU tier only) in a subprocess that imports the kvstore this process
+    does (PYTHONPATH is inherited; the working directory is a temporary one, since `-c` puts it
+    first on sys.path). -> (process, url, its kvstore.__file__)."""
+    port = free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", launch, *extra_args, "serve", "--port", str(port),
+                             "--data-dir", str(data_dir), "--cpu-bytes", str(cpu_bytes), "--disk-bytes", "0",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, text=True, cwd=data_dir)
+    assert proc.stdout is not None
+    where = proc.stdout.readline().strip()
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise SystemExit("kvstore serve did not start")
+    return proc, f"http://127.0.0.1:{port}", where
+
+
+def sidecar_cases(fetch_url: str, store_urls: dict[int, str], transports: list[str], tokens: TokenSource,
+                  redis_port: int | None) -> tuple[list[Case], list[Any]]:
+    from kvstore import KVStoreClient
+
+    cases, clients = [], []
+    redis_clients = redis_configs(redis_port) if redis_port is not None else {}
+    for spec, nbytes, count in ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 32)):
+        values = Values(nbytes, count, seed=nbytes + 1)
+        n_tokens = nbytes // spec.bytes_per_token
+        kvs = [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(n_tokens)) for src in values.src]
+        model = f"m{nbytes}"
+        prompts = [tokens.take(n_tokens) for _ in range(count)]
+        with KVStoreClient(fetch_url) as admin:
+            admin.register_model(model, spec)
+            for prompt, kv in zip(prompts, kvs):
+                admin.store(model, prompt, kv)
+        store_url = store_urls[nbytes]
+        with KVStoreClient(store_url) as admin:
+            admin.register_model(model, spec)
+            capacity = admin.stats()["tiers"]["cpu"]["capacity_bytes"]
+            fill(lambda p: admin.store(model, p, kvs[0]), lambda: admin.stats()["tiers"]["cpu"]["bytes"],
+                 capacity, nbytes, tokens, n_tokens)
+        redis_get, redis_set = redis_ops(redis_clients, nbytes, count, values)
+        for transport in transports:
+            shm_bytes = None if transport == "shm" else 0
+            fetch_client = KVStoreClient(fetch_url, shared_memory_bytes=shm_bytes)
+            store_client = KVStoreClient(store_url, shared_memory_bytes=shm_bytes)
+            clients += [fetch_client, store_client]
+            got = fetch_client.fetch(model, prompts[0])
+            if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[0]):
+                raise SystemExit(f"sidecar {transport} fetch of {size_name(nbytes)} did not return the stored KV")
+            del got
+
+            def fetch(i: int, c=fetch_client, model=model, prompts=prompts, count=count) -> Any:
+                return c.fetch(model, prompts[i % count])
+
+            pending: list[list[int]] = []
+
+            def store(i: int, c=store_client, model=model, kv=kvs[0], pending=pending) -> Any:
+                return c.store(model, pending.pop(), kv)
+
+            def prepare(n: int, pending=pending, n_tokens=n_tokens) -> None:
+                pending.extend(tokens.take(n_tokens) for _ in range(n))
+
+            path = f"sidecar {transport}"
+            fetch_targets = []
+            if redis_get and nbytes == 64 * KIB:
+                fetch_targets = [Target("redis", "cost", 2.0)]
+            elif redis_get and transport == "shm":
+                fetch_targets = [Target("redis", "speed", 2.0)]
+            cases.append(Case(path, "fetch", nbytes, fetch, values.memcpy, values.dict_get, values.fresh,
+                              redis=redis_get, targets=fetch_targets))
+            cases.append(Case(path, "store", nbytes, store, values.memcpy, values.dict_put(flat_bytes(kvs[0]).copy()),
+                              redis=redis_set))
+            cases[-1].prepare = prepare  # type: ignore[attr-defined]
+    return cases, clients
+
+
+# ---- redis-py, both configurations -----------------------------------------------------------
+
+def start_redis(tmp: Path) -> tuple[subprocess.Popen, int] | None:
+    import shutil
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    import redis
+
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp), "--protected-mode", "no"], stdout=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            redis.Redis(port=port).ping()
+            return proc, port
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    return None
+
+
+def redis_configs(port: int) -> dict[str, Any]:
+    """redis-py with hiredis (its default when installed: hiredis parses replies and packs
+    commands) and with its pure-Python reply parser and command packer, chosen on the pool."""
+    import redis
+    from redis._parsers import Encoder, _RESP2Parser
+    from redis.connection import PythonRespSerializer
+
+    configs = {}
+    try:
+        import hiredis  # noqa: F401
+
+        configs["hiredis"] = redis.Redis(port=port)
+    except ImportError:
+        pass
+    encoder = Encoder("utf-8", "strict", False)
+    pool = redis.ConnectionPool(port=port, parser_class=_RESP2Parser,
+                                command_packer=PythonRespSerializer(6000, encoder.encode))
+    configs["python"] = redis.Redis(connection_pool=pool)
+    return configs
+
+
+def redis_ops(configs: dict[str, Any], nbytes: int, count: int,
+              values: Values) -> tuple[dict[str, Callable[[int], Any]], dict[str, Callable[[int], Any]]]:
+    gets, sets = {}, {}
+    for name, r in configs.items():
+        keys = [f"ops:{nbytes}:{i}" for i in range(count)]
+        for key, src in zip(keys, values.src):
+            r.set(key, src.tobytes())
+        payloads = [src.tobytes() for src in values.src]
+        if r.get(keys[0]) != payloads[0]:
+            raise SystemExit(f"redis-py {name}: GET did not return what SET stored")
+        gets[name] = lambda i, r=r, keys=keys: r.get(keys[i % count])
+        sets[name] = lambda i, r=r, keys=keys, payloads=payloads: r.set(keys[i % count], payloads[0])
+    return gets, sets
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+def run_round(case: Case, seconds: float, samples: dict[str, list[float]], counters: dict[str, int]) -> None:
+    """Blocks of `case.block` calls of each subject in turn (the order rotates per block) until
+    `seconds` have passed (at least two blocks)."""
+    subjects = list(case.subjects().items())
+    prepare = getattr(case, "prepare", None)
+    began = time.perf_counter()
+    blocks = 0
+    clock = time.perf_counter_ns
+    while blocks < 2 or time.perf_counter() - began < seconds:
+        for k in range(len(subjects)):
+            name, fn = subjects[(k + blocks) % len(subjects)]
+            if name == "op" and prepare is not None:
+                prepare(case.block)
+            out = samples.setdefault(name, [])
+            i = counters.get(name, 0)
+            for j in range(i, i + case.block):
+                t0 = clock()
+                fn(j)
+                out.append(clock() - t0)
+            counters[name] = i + case.block
+        blocks += 1
+
+
+def summarize(case: Case, samples: dict[str, list[float]]) -> dict[str, Any]:
+    def pct(name: str, q: float) -> float:
+        return float(np.percentile(np.array(samples[name]) / 1e3, q))
+
+    op50 = pct("op", 50)
+    memcpy_kind = "prealloc"
+    memcpy50 = pct("memcpy", 50)
+    if "memcpy-fresh" in samples and pct("memcpy-fresh", 50) < memcpy50:
+        memcpy_kind, memcpy50 = "fresh", pct("memcpy-fresh", 50)
+    redis_kind, redis50 = None, None
+    for name in samples:
+        if name.startswith("redis-") and (redis50 is None or pct(name, 50) < redis50):
+            redis_kind, redis50 = name[len("redis-"):], pct(name, 50)
+    base = {"memcpy": memcpy50, "dict": pct("dict", 50), "redis": redis50}
+    targets = []
+    for t in case.targets:
+        b = base[t.baseline]
+        if b is None:
+            continue
+        value = op50 / b if t.kind == "cost" else b / op50
+        targets.append({"target": t.text(), "value": value,
+                        "met": value <= t.bound if t.kind == "cost" else value >= t.bound})
+    return {
+        "path": case.path, "op": case.op, "bytes": case.nbytes, "name": case.name, "calls": len(samples["op"]),
+        "p50_us": op50, "p90_us": pct("op", 90),
+        "memcpy_us": memcpy50, "memcpy_kind": memcpy_kind, "speed_vs_memcpy": memcpy50 / op50,
+        "dict_us": base["dict"], "cost_vs_dict": op50 / base["dict"],
+        "redis_us": redis50, "redis_config": redis_kind, "cost_vs_redis": None if redis50 is None else op50 / redis50,
+        "baselines_p50_us": {name: pct(name, 50) for name in samples},
+        "baselines_p90_us": {name: pct(name, 90) for name in samples},
+        "targets": targets, "note": case.note,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| path | op | bytes | p50 µs | p90 µs | memcpy µs | speed vs memcpy | dict µs | cost vs dict "
+             "| redis-py µs | cost vs redis-py | target | met |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        redis = "–" if r["redis_us"] is None else f"{r['redis_us']:,.1f} ({r['redis_config']})"
+        vs_redis = "–" if r["cost_vs_redis"] is None else f"{r['cost_vs_redis']:.2f}×"
+        target = "; ".join(t["target"] for t in r["targets"]) or "–"
+        met = "; ".join(("met" if t["met"] else "missed") + f" ({t['value']:.2f})" for t in r["targets"]) or "–"
+        lines.append(f"| {r['path']} | {r['op']} | {size_name(r['bytes'])} | {r['p50_us']:,.1f} | {r['p90_us']:,.1f} "
+                     f"| {r['memcpy_us']:,.1f} ({r['memcpy_kind']}) | {r['speed_vs_memcpy']:.2f} "
+                     f"| {r['dict_us']:,.1f} | {r['cost_vs_dict']:.1f}× | {redis} | {vs_redis} | {target} | {met} |")
+    return "\n".join(lines)
+
+
+def settle_collector() -> None:
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run: 3 rounds of 0.1 s per case")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 3)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="per case per round, baselines included (default 0.4; --quick 0.1)")
+    parser.add_argument("--paths", default="in-process,disk,sidecar",
+                        help="which cases: in-process, disk and/or sidecar")
+    parser.add_argument("--transports", default="shm,tcp", help="sidecar transports: shm and/or tcp")
+    parser.add_argument("--big-mib", type=int, default=64, help="size of the large fetch into= (MiB, >= 2)")
+    parser.add_argument("--no-redis", action="store_true", help="no redis-py column on the sidecar rows")
+    parser.add_argument("--json", metavar="FILE", help="write the results here")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 5)
+    seconds = args.seconds if args.seconds is not None else (0.1 if args.quick else 0.4)
+    paths = set(args.paths.split(","))
+    transports = args.transports.split(",")
+    if not paths <= {"in-process", "disk", "sidecar"}:
+        parser.error(f"--paths: expected in-process, disk and/or sidecar, got {args.paths!r}")
+    if not set(transports) <= {"shm", "tcp"}:
+        parser.error(f"--transports: expected shm and/or tcp, got {args.transports!r}")
+    if args.big_mib < 2:
+        parser.error("--big-mib: must be >= 2")
+    print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
+    torch.set_num_threads(1)
+    procs: list[subprocess.Popen] = []
+    closers: list[Any] = []
+    header = [f"kvstore in this process: {os.path.dirname(kvstore.__file__)}"]
+    with tempfile.TemporaryDirectory(prefix="kvstore-ops-") as tmpdir:
+        tmp = Path(tmpdir)
+        try:
+            cases: list[Case] = []
+            tokens = TokenSource()
+            if "in-process" in paths:
+                found, stores = in_process_cases(args.big_mib, tmp, tokens)
+                cases += found
+                closers += stores
+            if "disk" in paths:
+                found, stores = disk_cases(tmp, tokens)
+                cases += found
+                closers += stores
+            if "sidecar" in paths:
+                redis_port = None
+                if not args.no_redis:
+                    started = start_redis(tmp)
+                    if started is None:
+                        header.append("redis-py column: no redis-server installed")
+                    else:
+                        procs.append(started[0])
+                        redis_port = started[1]
+                fetch_proc, fetch_url, where = start_sidecar(tmp / "sidecar-fetch", 128 * MIB)
+                procs.append(fetch_proc)
+                # One sidecar per page size for the stores (each evicts: its tier is filled first);
+                # a CPU tier's freed slots serve only pages of their own size (tiers/slots.py).
+                store_urls = {}
+                for nbytes in (64 * KIB, 2 * MIB):
+                    store_proc, store_urls[nbytes], _ = start_sidecar(tmp / f"sidecar-store-{nbytes}", 64 * MIB)
+                    procs.append(store_proc)
+                header.append(f"kvstore in the sidecars: {os.path.dirname(where)}")
+                found, clients = sidecar_cases(fetch_url, store_urls, transports, tokens, redis_port)
+                cases += found
+                closers += clients
+            settle_collector()
+            samples: list[dict[str, list[float]]] = [{} for _ in cases]
+            counters: list[dict[str, int]] = [{} for _ in cases]
+            with tqdm(total=rounds * len(cases), desc="bench/ops", unit="case", file=sys.stderr) as bar:
+                for r in range(rounds):
+                    for k in range(len(cases)):
+                        c = (k + r) % len(cases)  # the case order rotates too
+                        run_round(cases[c], seconds, samples[c], counters[c])
+                        bar.update()
+            rows = [summarize(case, s) for case, s in zip(cases, samples)]
+            for case, row in zip(cases, rows):
+                if case.check is not None:
+                    row["note"] = case.check()
+        finally:
+            for c in closers:
+                c.close()
+            for p in procs:
+                p.terminate()
+                p.wait(30)
+    print("\n".join(header))
+    print(f"{rounds} interleaved rounds of {seconds:g} s per case; speed vs memcpy = memcpy time / op time, "
+          "cost vs dict (or redis-py) = op time / baseline time, p50s")
+    print(table(rows))
+    for r in rows:
+        if r["note"]:
+            print(f"- {r['name']}: {r['note']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"kvstore": os.path.dirname(kvstore.__file__), "header": header,
+                                               "rounds": rounds, "seconds": seconds, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
