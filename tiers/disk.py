@@ -9,6 +9,11 @@ index at start scans `meta` only. Records written but not yet committed are serv
 `_pending`, so a page is readable the moment `put` returns. `put` returns a `threading.Event`
 that is set once the record is committed (write-through waits for it).
 
+Reads: one read transaction per batch of keys (`read_ahead`), with `buffers=True`, so a value is
+a view into the map and a payload is copied once, out of the map into where the caller keeps it
+(a fetch answer's slices, `landings`, or a fresh tensor), after its checksum is verified over
+that same view. A header is decoded once per key and the bytes it was decoded from (`_header`).
+
 What the tier does not do: decide capacity or eviction (the store's placement does); a write
 that still fails at the largest map size is reported through `take_failed()` so the store can
 forget that copy.
@@ -20,9 +25,11 @@ import os
 import queue
 import shutil
 import threading
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import lmdb
+import numpy as np
+import torch
 import zstandard
 
 from kvstore.tiers.base import PageRecord, RecordTier, WriteTicket
@@ -32,6 +39,7 @@ from kvstore.tiers.disk_record import (CorruptRecord, decode_header, encode_head
 
 if TYPE_CHECKING:
     from kvstore.config import StoreConfig
+    from kvstore.tiers.redis_landing import Landing
 
 log = logging.getLogger("kvstore.disk")
 
@@ -41,6 +49,7 @@ _STOP = object()
 MAX_BATCH_BYTES = 64 << 20
 DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
 LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
+HEADER_CACHE_ENTRIES = 4096  # decoded headers kept (a header is its token ids plus ~150 bytes)
 
 
 class _ReadWriteLock:
@@ -78,6 +87,7 @@ class _ReadWriteLock:
 class DiskTier(RecordTier):
     name = "disk"
     persistent = True
+    batched_reads = True  # one read transaction per batch, payloads copied out of the map into landings
 
     def __init__(self, path: str, capacity_bytes: int, *, compression: str = "none",
                  zstd_level: int = 1, sync: bool = False, queue_pages: int = 256, codec: str = "none"):
@@ -111,6 +121,8 @@ class DiskTier(RecordTier):
         self._pending_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_pages)
         self._failed: list[bytes] = []
+        # key -> (header bytes, decoded header, its record without payload): `_header`
+        self._headers: dict[bytes, tuple[bytes, dict, PageRecord]] = {}
         self.corrupt_records = 0
         self.write_errors = 0
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
@@ -143,41 +155,99 @@ class DiskTier(RecordTier):
         return done
 
     def delete(self, key: bytes) -> bool:
+        self._headers.pop(key, None)
         with self._pending_lock:
             self._pending[key] = _DELETE
         self._queue.put((key, _DELETE, None))
         return True
 
     def get(self, key: bytes) -> PageRecord | None:
-        with self._pending_lock:
-            pending = self._pending.get(key)
-        if pending is _DELETE:
-            return None
-        if pending is not None:
-            record: PageRecord = pending  # type: ignore[assignment]
-            return record
+        return self._read_batch([key], None)[key]
+
+    def read_ahead(self, batches: list[list[bytes]],
+                   landings: Mapping[bytes, Landing] | None = None) -> Iterator[dict[bytes, PageRecord | None]]:
+        """The records of each batch, one read transaction per batch. A key of `landings` whose
+        record is intact, uncompressed, sized for its chunks and accepted gets its payload copied
+        straight out of the map into them (its record's payload is then that Landing); the
+        checksum is verified before that copy, so the chunks of a key that comes back otherwise
+        are left as they were."""
+        for batch in batches:
+            yield self._read_batch(batch, landings)
+
+    def _read_batch(self, keys: list[bytes], landings: Mapping[bytes, Landing] | None) -> dict[bytes, PageRecord | None]:
+        records: dict[bytes, PageRecord | None] = {}
+        to_read = []
+        with self._pending_lock:  # a key whose last write is still queued is answered from `_pending`
+            for key in keys:
+                pending = self._pending.get(key)
+                if pending is None:
+                    records[key] = None
+                    to_read.append(key)
+                else:
+                    records[key] = None if pending is _DELETE else pending  # type: ignore[assignment]
+        bad: list[tuple[bytes, str]] = []
         self._rw.acquire_read()
         try:
-            with self.env.begin() as txn:
-                meta = txn.get(key, db=self._meta)
-                payload = txn.get(key, db=self._data)
-        except lmdb.Error as exc:  # a damaged B-tree or overflow page under this record: a miss
-            self._corrupt(key, f"{type(exc).__name__}: {exc}")
-            return None
+            # buffers=True: values are views into the map, valid until the transaction ends; every
+            # byte a caller keeps is copied out of them (into its landing or a fresh tensor) first.
+            txn = None
+            for i, key in enumerate(to_read):
+                try:
+                    if txn is None:
+                        txn = self.env.begin(buffers=True)
+                    records[key] = self._read(txn, key, landings.get(key) if landings else None)
+                except (CorruptRecord, zstandard.ZstdError) as exc:
+                    bad.append((key, str(exc)))
+                except lmdb.Error as exc:  # a damaged B-tree or overflow page under this record
+                    bad.append((key, f"{type(exc).__name__}: {exc}"))
+                    if txn is not None:
+                        txn.abort()  # it may be unusable now: the next key gets a fresh one
+                        txn = None
+            if txn is not None:
+                txn.abort()
         finally:
             self._rw.release_read()
+        for key, why in bad:  # after the lock: a delete may wait on the writer, which may wait on it
+            self._corrupt(key, why)
+        return records
+
+    def _read(self, txn: lmdb.Transaction, key: bytes, landing: Landing | None) -> PageRecord | None:
+        """One record out of a read transaction with buffers; raises CorruptRecord."""
+        meta = txn.get(key, db=self._meta)
         if meta is None:
             return None
-        try:
-            header = decode_header(meta, key)
-            if payload is None or len(payload) != header["size"] or payload_checksum(payload) != header["checksum"]:
-                raise CorruptRecord("payload checksum mismatch")
-            if header["comp"] == "zstd":
-                payload = zstandard.ZstdDecompressor().decompress(payload)
-        except (CorruptRecord, zstandard.ZstdError) as exc:
-            self._corrupt(key, str(exc))
-            return None
-        return header_to_record(header, payload)
+        payload = txn.get(key, db=self._data)
+        header, head = self._header(key, meta)
+        if payload is None or len(payload) != header["size"] or payload_checksum(payload) != header["checksum"]:
+            raise CorruptRecord("payload checksum mismatch")
+        if header["comp"] == "zstd":
+            return header_to_record(header, zstandard.ZstdDecompressor().decompress(payload))
+        if landing is not None and landing.nbytes == len(payload) and landing.accepts(head):
+            start = 0
+            for chunk in landing.chunks:
+                end = start + len(chunk)
+                chunk[:] = payload[start:end]
+                start = end
+            return header_to_record(header, landing)
+        copy = torch.empty(len(payload), dtype=torch.uint8)
+        np.copyto(copy.numpy(), np.frombuffer(payload, dtype=np.uint8))
+        return header_to_record(header, copy)
+
+    def _header(self, key: bytes, meta: memoryview) -> tuple[dict, PageRecord]:
+        """The decoded header of `key` and its record (payload None). Decoding (crc32, msgpack,
+        field checks) is remembered per key with the header bytes it was decoded from: it is a
+        function of those bytes, so a record whose header changed on disk in any byte is decoded
+        and checked afresh, and the payload checksum is still verified on every read."""
+        cached = self._headers.get(key)
+        if cached is not None and cached[0] == meta:
+            return cached[1], cached[2]
+        value = bytes(meta)
+        header = decode_header(value, key)
+        head = header_to_record(header)
+        if len(self._headers) >= HEADER_CACHE_ENTRIES:
+            self._headers.clear()  # bounded, no recency bookkeeping: a re-read decodes again
+        self._headers[key] = (value, header, head)
+        return header, head
 
     def __contains__(self, key: bytes) -> bool:
         with self._pending_lock:
