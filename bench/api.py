@@ -11,8 +11,18 @@ fetch/GET throughput (MB/s, 10^6 bytes) and p50/p99 latency, for the client's tw
 in the HTTP bodies, as for a sidecar on another host). Also measures the raw loopback
 TCP throughput of the machine: the ceiling for both.
 
+redis-py runs in both of its configurations: with hiredis (its default when installed: hiredis
+parses replies and packs commands) and with its pure-Python parser and packer. Each sidecar cell
+is compared with the faster of the two for that operation, size and client count (hiredis packs
+a large SET slower, and parses a large GET faster); the table names which.
+
 Each store writes new pages (distinct tokens), as each SET writes a value; fetches read
-prestored prefixes, as GETs read prestored keys. Targets (2 MiB): fetch >= 1.5x GET, store >= 1.0x SET.
+prestored prefixes, as GETs read prestored keys. Targets (2 MiB): fetch >= 1.5x GET (>= 2x with
+1 client over shared memory), store >= 1.0x SET; 64 KiB fetch latency (p50, 1 client) <= 2x
+GET's, over shared memory and over TCP (the latency rows under the table).
+
+The sidecar imports the kvstore this process does (PYTHONPATH is inherited), so the same script
+measures another checkout: `PYTHONPATH=/path/to/old/site python bench/api.py`.
 """
 from __future__ import annotations
 
@@ -35,16 +45,24 @@ import torch
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 
+import kvstore  # noqa: E402
 from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore import ModelSpec  # noqa: E402
+from bench.ops import redis_configs, start_sidecar as start_kvstore_serve  # noqa: E402
 
 # 32 KiB of KV per token (8 layers x 8 KV heads x 128 dims, fp16), 16-token pages of 512 KiB:
 # a 2 MiB value is 64 tokens = 4 pages, a 64 KiB value 2 tokens (one tail page).
 SPEC = ModelSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
 SIZES = {"64KiB": 64 << 10, "2MiB": 2 << 20}
 TARGETS = {("2MiB", "fetch"): 1.5, ("2MiB", "store"): 1.0}
+# Stricter targets for one cell: (size, op, clients, transport) -> ratio.
+CELL_TARGETS = {("2MiB", "fetch", 1, "shm"): 2.0}
+# p50 latency, 1 client: sidecar fetch / redis-py GET <= this, per transport.
+LATENCY_TARGETS = {("64KiB", "fetch"): 2.0}
 PRESTORED = 32  # distinct values each fetch/GET cell reads from
 REDIS_KEYS = 256  # SETs cycle over this many keys so Redis memory stays bounded
 CPU_BYTES = 512 << 20  # the sidecar's CPU tier
@@ -60,6 +78,7 @@ class Cell:
     mb_per_s: float
     p50_ms: float
     p99_ms: float
+    config: str | None = None  # the redis-py configuration of a `redis` cell (the faster one)
 
 
 def free_port() -> int:
@@ -125,16 +144,9 @@ def merge_rounds(cells: list[Cell]) -> list[Cell]:
 
 # ---- the sidecar -----------------------------------------------------------------------------
 
-def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--data-dir",
-                             str(tmp / "data"), "--cpu-bytes", str(CPU_BYTES), "--disk-bytes", "0",
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit("kvstore serve did not start")
-    return proc, f"http://127.0.0.1:{port}"
+def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str, str]:
+    """-> (process, url, the sidecar's kvstore.__file__)."""
+    return start_kvstore_serve(tmp / "data", CPU_BYTES)
 
 
 def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float, seq: list[int],
@@ -210,10 +222,20 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen, int] | None:
 
 
 def redis_cells(port: int, size: str, nbytes: int, clients: int, seconds: float) -> list[Cell]:
-    import redis
+    """SET/GET cells for each redis-py configuration (system `redis-<config>`)."""
+    cells: list[Cell] = []
+    for config in redis_configs(port):
+        cells += redis_config_cells(port, config, size, nbytes, clients, seconds)
+    return cells
 
+
+def redis_client(port: int, config: str):
+    return redis_configs(port)[config]  # a new client (connection pool) per call
+
+
+def redis_config_cells(port: int, config: str, size: str, nbytes: int, clients: int, seconds: float) -> list[Cell]:
     value = torch.randn(nbytes // 2).half().numpy().tobytes()
-    admin = redis.Redis(port=port)
+    admin = redis_client(port, config)
     for i in range(PRESTORED):
         admin.set(f"get:{size}:{i}", value)
     for c in range(clients):  # the same warm-up as the sidecar's: memory allocated and touched
@@ -221,18 +243,32 @@ def redis_cells(port: int, size: str, nbytes: int, clients: int, seconds: float)
             admin.set(f"set:{size}:{c}:{i}", value)
 
     def set_op(c: int) -> Callable[[int], None]:
-        r = redis.Redis(port=port)
+        r = redis_client(port, config)
         return lambda i: r.set(f"set:{size}:{c}:{i % REDIS_KEYS}", value)
 
     def get_op(c: int) -> Callable[[int], None]:
-        r = redis.Redis(port=port)
+        r = redis_client(port, config)
 
         def op(i: int) -> None:
             assert len(r.get(f"get:{size}:{(i + c) % PRESTORED}")) == nbytes
         return op
 
-    return [summarize("redis", "store", size, clients, nbytes, run_clients(clients, seconds, nbytes, set_op)),
-            summarize("redis", "fetch", size, clients, nbytes, run_clients(clients, seconds, nbytes, get_op))]
+    system = f"redis-{config}"
+    return [summarize(system, "store", size, clients, nbytes, run_clients(clients, seconds, nbytes, set_op)),
+            summarize(system, "fetch", size, clients, nbytes, run_clients(clients, seconds, nbytes, get_op))]
+
+
+def faster_redis(cells: list[Cell]) -> list[Cell]:
+    """Adds one `redis` cell per (op, size, clients): the redis-py configuration with the higher
+    MB/s there (merged cells), its name in `config`."""
+    best: dict[tuple[str, str, int], Cell] = {}
+    for c in cells:
+        if c.system.startswith("redis-"):
+            key = (c.op, c.size, c.clients)
+            if key not in best or c.mb_per_s > best[key].mb_per_s:
+                best[key] = c
+    return cells + [Cell("redis", c.op, c.size, c.clients, c.ops, c.mb_per_s, c.p50_ms, c.p99_ms,
+                         config=c.system[len("redis-"):]) for c in best.values()]
 
 
 # ---- loopback ceiling ------------------------------------------------------------------------
@@ -269,23 +305,55 @@ def table(cells: list[Cell], loopback: float, redis_note: str | None) -> str:
     by = {(c.system, c.op, c.size, c.clients): c for c in cells}
     lines = [f"loopback TCP, one stream: {loopback:,.0f} MB/s" + (f"   ({redis_note})" if redis_note else ""),
              "| value | clients | op | transport | sidecar MB/s | p50 ms | p99 ms "
-             "| redis-py MB/s | p50 ms | p99 ms | ratio | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| redis-py MB/s | p50 ms | p99 ms | redis-py config | ratio | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (system, op, size, clients), c in by.items():
         if not system.startswith("sidecar"):
             continue
         transport = "tcp" if system == "sidecar-tcp" else "shm"
         r = by.get(("redis", op, size, clients))
-        target = TARGETS.get((size, op))
+        target = CELL_TARGETS.get((size, op, clients, transport), TARGETS.get((size, op)))
         ratio = c.mb_per_s / r.mb_per_s if r else None
         verdict = "" if target is None or ratio is None else (f">= {target} {'ok' if ratio >= target else 'MISS'}")
-        rcols = f"{r.mb_per_s:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f}" if r else "- | - | -"
+        rcols = f"{r.mb_per_s:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.config}" if r else "- | - | - | -"
         lines.append(f"| {size} | {clients} | {op} | {transport} | {c.mb_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} "
                      f"| {rcols} | {'-' if ratio is None else f'{ratio:.2f}x'} | {verdict} |")
     return "\n".join(lines)
 
 
-def main() -> int:
+def latency_rows(cells: list[Cell]) -> list[dict]:
+    """One client's p50 latency of the sidecar against redis-py's, per transport, where a latency
+    target is set: the redis-py configuration with the lower p50 for that operation counts."""
+    by = {(c.system, c.op, c.size, c.clients): c for c in cells}
+    rows = []
+    for (size, op), target in LATENCY_TARGETS.items():
+        redis = [c for c in cells if c.system.startswith("redis-") and (c.op, c.size, c.clients) == (op, size, 1)]
+        best = min(redis, key=lambda c: c.p50_ms) if redis else None
+        for system, transport in (("sidecar", "shm"), ("sidecar-tcp", "tcp")):
+            c = by.get((system, op, size, 1))
+            if c is None:
+                continue
+            ratio = c.p50_ms / best.p50_ms if best else None
+            rows.append({"size": size, "op": op, "transport": transport, "sidecar_p50_ms": c.p50_ms,
+                         "redis_p50_ms": best.p50_ms if best else None,
+                         "redis_config": best.system[len("redis-"):] if best else None,
+                         "ratio": ratio, "target": target, "met": None if ratio is None else ratio <= target})
+    return rows
+
+
+def latency_table(rows: list[dict]) -> str:
+    lines = ["| value | op | transport | sidecar p50 ms | redis-py p50 ms | redis-py config | ratio | target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        redis = "-" if r["redis_p50_ms"] is None else f"{r['redis_p50_ms']:.3f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        verdict = "" if r["met"] is None else f"<= {r['target']} {'ok' if r['met'] else 'MISS'}"
+        lines.append(f"| {r['size']} | {r['op']} latency, 1 client | {r['transport']} | {r['sidecar_p50_ms']:.3f} "
+                     f"| {redis} | {r['redis_config'] or '-'} | {ratio} | {verdict} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="per cell, split over the rounds")
     parser.add_argument("--rounds", type=int, default=3, help="alternate the systems this many times per cell")
@@ -295,7 +363,7 @@ def main() -> int:
                         help="sidecar transports: shm (shared memory, the loopback default) and/or tcp")
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--json", metavar="FILE")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
     sizes = args.sizes.split(",")
     transports = args.transports.split(",")
@@ -303,7 +371,7 @@ def main() -> int:
         parser.error(f"--transports: expected shm and/or tcp, got {args.transports!r}")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        sidecar, url = start_sidecar(tmp)
+        sidecar, url, where = start_sidecar(tmp)
         redis_proc = None if args.no_redis else start_redis(tmp)
         redis_note = "redis column skipped: --no-redis" if args.no_redis else \
             ("redis column skipped: no redis-server installed" if redis_proc is None else None)
@@ -322,17 +390,22 @@ def main() -> int:
                             if redis_proc is not None:
                                 cells += redis_cells(redis_proc[1], size, SIZES[size], n, per_round)
                             bar.update()
-            cells = merge_rounds(cells)
+            cells = faster_redis(merge_rounds(cells))
         finally:
             sidecar.terminate()
             sidecar.wait(30)
             if redis_proc is not None:
                 redis_proc[0].terminate()
                 redis_proc[0].wait(10)
+    latency = latency_rows(cells)
+    print(f"kvstore: {os.path.dirname(kvstore.__file__)} (sidecar: {os.path.dirname(where)})")
     print(table(cells, loopback, redis_note))
+    if latency:
+        print(latency_table(latency))
     if args.json:
         Path(args.json).write_text(json.dumps({"loopback_mb_per_s": loopback, "redis_note": redis_note,
-                                               "cells": [asdict(c) for c in cells]}, indent=2))
+                                               "kvstore": os.path.dirname(kvstore.__file__),
+                                               "cells": [asdict(c) for c in cells], "latency": latency}, indent=2))
     return 0
 
 
