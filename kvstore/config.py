@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields
 from typing import Any, Mapping
 
 from kvstore.policies import POLICIES
@@ -80,6 +80,26 @@ class ModelSpec:
                 raise ValueError(f"rope_scaling.rope_type: must be one of {', '.join(ROPE_SCALING_TYPES)}; "
                                  f"got {kind!r}")
             object.__setattr__(self, "rope_scaling", scaling or None)
+        self._derive()
+
+    def _derive(self) -> None:
+        # A spec keys the store's memo tables on every page operation: its hash and the
+        # token's byte count are computed once, not from every field on each lookup.
+        object.__setattr__(self, "_hash", hash(astuple(self)))
+        object.__setattr__(self, "_token_bytes",
+                           self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype])
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # str hashes differ between processes: a spec sent to another one derives them again.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._derive()
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -95,7 +115,7 @@ class ModelSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        return self._token_bytes  # type: ignore[attr-defined]
 
     @property
     def page_bytes(self) -> int:

@@ -17,28 +17,29 @@ atomic one-shot), so a plan given up while a thread starts running it is unpinne
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
-from kvstore.copy import copy_into, host_array
-from kvstore.host_memory import empty_host
+from kvstore.copy import NUMPY_DTYPES, copy_into
+from kvstore.host_memory import empty_host_bytes
 from kvstore.index import TOKEN_BYTES, Node
 from kvstore.results import FetchResult
 from kvstore.store_state import StoreState, empty_kv
 from kvstore.tiers.base import PageRecord
 
-Read = tuple[Node, int, int, str, "torch.Tensor | None"]  # (page, first token, tokens used, tier, slot or None)
+# (page, first token, tokens used, tier, source). The source: a raw page in host memory as a flat
+# numpy uint8 view of its slot (copied with numpy), an encoded slot (its codec decodes it), or
+# None: a record, read from its record tier (I/O).
+Read = tuple[Node, int, int, str, "np.ndarray | torch.Tensor | None"]
 
 
 class FetchPlan:
     """The pages one fetch reads, pinned. `run` it once, or `release` it."""
 
     __slots__ = ("state", "spec", "start", "dev", "into", "count", "path", "reads", "matched_tokens",
-                 "needs_io", "nbytes", "_unclaimed")
+                 "needs_io", "nbytes", "token_bytes", "_unclaimed")
 
     def __init__(self, state: StoreState, spec: ModelSpec, start: int, dev: torch.device, into: torch.Tensor | None,
                  count: bool, path: list[Node], reads: list[Read], matched_tokens: int, needs_io: bool):
@@ -52,57 +53,73 @@ class FetchPlan:
         self.reads = reads  # the pages the answer is read from (those past `start`)
         self.matched_tokens = matched_tokens
         self.needs_io = needs_io  # a page is read from a record tier (disk, Redis): running the plan waits on I/O
-        self.nbytes = max(0, matched_tokens - start) * spec.bytes_per_token  # the answer's size
-        self._unclaimed = threading.Lock()  # held once run or release claimed the plan
+        self.token_bytes = spec.bytes_per_token  # KV bytes of one token
+        self.nbytes = max(0, matched_tokens - start) * self.token_bytes  # the answer's size
+        # One token, taken by whichever of run and release comes first: list.pop is atomic, and
+        # a lock per plan costs more than the rest of a small fetch's bookkeeping.
+        self._unclaimed = [True]
 
     @property
     def claimed(self) -> bool:
-        return self._unclaimed.locked()
+        return not self._unclaimed
 
     def run(self) -> FetchResult:
         """Read the pages into the answer: KV of tokens [start, matched_tokens) (fewer when a
         copy turned out lost). Unpins the pages, also when reading fails."""
-        if not self._unclaimed.acquire(blocking=False):
+        if not self._claim():
             raise RuntimeError("fetch plan: already run or released (a plan runs once)")
         state, spec, start, dev = self.state, self.spec, self.start, self.dev
-        if self.matched_tokens <= start:
-            return FetchResult(self.matched_tokens, empty_kv(spec, dev))
-        shape, dtype = spec.kv_shape(self.matched_tokens - start), TORCH_DTYPES[spec.dtype]
-        into = self.into
-        if into is not None and into.numel() >= self.nbytes:
-            out = into[:self.nbytes].view(dtype).view(shape)  # (L, 2, T, H, D)
-        else:
-            out = empty_host(shape, dtype) if dev.type == "cpu" else torch.empty(shape, dtype=dtype, device=dev)
-        tiers = state.tiers
         matched = self.matched_tokens
+        if matched <= start:
+            return FetchResult(matched, empty_kv(spec, dev))
+        shape, dtype = spec.kv_shape(matched - start), TORCH_DTYPES[spec.dtype]
+        # The answer, (L, 2, T, H, D): on the host, a numpy array (raw pages are copied into
+        # numpy views of it: a numpy slice costs a fraction of a torch one) and the torch tensor
+        # over the same memory, for pages a codec decodes and for the caller.
+        out_array: np.ndarray | None = None
+        if dev.type == "cpu":
+            into = self.into
+            flat = into.numpy()[:self.nbytes] if into is not None and into.numel() >= self.nbytes \
+                else empty_host_bytes(self.nbytes)
+            out_array = flat.view(NUMPY_DTYPES[spec.dtype]).reshape(shape)
+            out = torch.from_numpy(out_array)
+            if out.dtype != dtype:
+                out = out.view(dtype)  # bfloat16, which numpy holds as its bits
+        else:
+            out = torch.empty(shape, dtype=dtype, device=dev)
+        tiers = state.tiers
+        top = tiers.top
         promote: list[tuple[Node, torch.Tensor]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
         records: dict[bytes, PageRecord | None] = {}
-        stream = tiers.record_batches(self.reads, spec, out, start)  # payloads land in `out` where they can
-        out_array = host_array(out)
+        stream = None
         promote_on_hit = state.config.promote_on_hit
         try:
-            for node, first, used, tier, slot in self.reads:
-                lo = max(first, start)  # tokens [lo, first + used) of the prompt come from this page
-                whole = lo == first and used == node.num_tokens
-                raw = tiers.slot_array(spec, tier, slot, used) \
-                    if whole and slot is not None and out_array is not None else None
-                if raw is not None:  # a whole raw page in host memory: numpy copies it
-                    np.copyto(out_array[:, :, lo - start:first + used - start], raw, casting="no")
+            for node, first, used, tier, src in self.reads:
+                lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
+                a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
+                if src.__class__ is np.ndarray and out_array is not None:  # a raw page in host memory
+                    n = node.num_tokens
+                    page_array = src[:n * self.token_bytes].view(out_array.dtype).reshape(spec.kv_shape(n))
+                    np.copyto(out_array[:, :, a:b], page_array[:, :, lo - first:used] if b - a < n else page_array,
+                              casting="no")
                     page: torch.Tensor | bool | None = True
                 else:
-                    if slot is None and node.key not in records:
+                    whole = lo == first and used == node.num_tokens
+                    if src is None and node.key not in records:
+                        if stream is None:  # payloads land in `out` where they can
+                            stream = tiers.record_batches(self.reads, spec, out, start)
                         records = next(stream, {})
-                    page = tiers.read_page(spec, node, tier, slot, records.pop(node.key, None), whole=whole,
-                                           out=out[:, :, lo - start:first + used - start])
-                if page is None:  # the copy went bad (corrupt, evicted, unreachable): serve what came before it
-                    lost.append((node, tier))
-                    matched = first
-                    break
-                if page is not True:
-                    copy_into(out[:, :, lo - start:first + used - start], page[:, :, lo - first:used])
-                if tier != tiers.top and promote_on_hit and lo == first:
-                    promote.append((node, out[:, :, lo - start:first + used - start] if page is True else page))
+                    page = tiers.read_page(spec, node, tier, src, records.pop(node.key, None),  # type: ignore[arg-type]
+                                           whole=whole, out=out[:, :, a:b])
+                    if page is None:  # the copy went bad (corrupt, evicted, unreachable): serve what came before it
+                        lost.append((node, tier))
+                        matched = first
+                        break
+                    if page is not True:
+                        copy_into(out[:, :, a:b], page[:, :, lo - first:used])
+                if tier != top and promote_on_hit and lo == first:
+                    promote.append((node, out[:, :, a:b] if page is True else page))  # type: ignore[arg-type]
         finally:
             with state.lock:
                 for node, kv in promote:
@@ -111,18 +128,25 @@ class FetchPlan:
                 for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
                     if state.index.get(node.key) is node:
                         state.placement.remove_from(node, tier)
-                state.drain_lost_copies()
+                if tiers.losing:
+                    state.drain_lost_copies()
         if self.count:
             state.counters["fetched_tokens"] += max(0, matched - start)
         if matched <= start:
             return FetchResult(matched, empty_kv(spec, dev))
-        return FetchResult(matched, out[:, :, :matched - start])
+        return FetchResult(matched, out if matched == self.matched_tokens else out[:, :, :matched - start])
 
     def release(self) -> None:
         """Give the plan up unread: unpin its pages. Nothing once it was run or released."""
-        if self._unclaimed.acquire(blocking=False):
+        if self._claim():
             with self.state.lock:
                 self._unpin()
+
+    def _claim(self) -> bool:
+        try:
+            return self._unclaimed.pop()
+        except IndexError:
+            return False
 
     def _unpin(self) -> None:
         for node in self.path:
@@ -136,8 +160,9 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
     lock. `memory_only_max_bytes`: None instead, with nothing done or counted, when the plan
     would need I/O or answer more bytes than this."""
     with state.lock:
-        state.drain_lost_copies()
         tiers, placement = state.tiers, state.placement
+        if tiers.losing:
+            state.drain_lost_copies()
         match = state.index.match(root_key, tb, spec.page_size)
         if memory_only_max_bytes is not None and (
                 (match.matched_tokens - start) * spec.bytes_per_token > memory_only_max_bytes
@@ -154,16 +179,19 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
         reads: list[Read] = []
         needs_io = False
         offset = 0
+        top, host = tiers.top, dev.type == "cpu"
         for node in match.path:
             used = min(node.num_tokens, match.matched_tokens - offset)
             placement.pin(node)
             placement.touch(node, clock)
-            tier = tiers.source_tier(node)
+            tier = top if top in node.tiers else tiers.source_tier(node)
             if offset + used > start:
                 placement.usage[tier].hits += 1
                 node.hits += 1
-                slot = tiers.slot(tier, node.key)
-                needs_io = needs_io or slot is None
-                reads.append((node, offset, used, tier, slot))
+                src = tiers.raw_slot(tier, node.key) if host else None
+                if src is None:
+                    src = tiers.slot(tier, node.key)
+                    needs_io = needs_io or src is None
+                reads.append((node, offset, used, tier, src))
             offset += used
         return FetchPlan(state, spec, start, dev, into, count, match.path, reads, match.matched_tokens, needs_io)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import mmap
 
+import numpy as np
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -21,10 +22,17 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
-    # Over-allocate so the tensor can start on a 2 MiB boundary: only aligned 2 MiB ranges
-    # become huge pages. The tensor keeps the mapping alive; it is unmapped with the tensor.
+    return torch.from_numpy(empty_host_bytes(nbytes)).view(dtype).view(shape)
+
+
+def empty_host_bytes(nbytes: int) -> np.ndarray:
+    """A new uint8 numpy array of `nbytes`, in huge pages when it is large."""
+    if nbytes < MIN_HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(nbytes, np.uint8)
+    # Over-allocate so the array can start on a 2 MiB boundary: only aligned 2 MiB ranges
+    # become huge pages. The array keeps the mapping alive; it is unmapped with the array.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(region, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % HUGE_PAGE_BYTES
-    return raw[offset:offset + nbytes].view(dtype).view(shape)
+    raw = np.frombuffer(region, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % HUGE_PAGE_BYTES
+    return raw[offset:offset + nbytes]

@@ -41,8 +41,12 @@ def tokens_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def page_key(parent_key: bytes, page_tokens: Sequence[int]) -> bytes:
-    return _digest(parent_key, tokens_bytes(page_tokens))
+def page_key(parent_key: bytes, page_tokens: bytes | Sequence[int]) -> bytes:
+    """`page_tokens`: int32 LE bytes (what the store holds), or validated token ids."""
+    if page_tokens.__class__ is not bytes:
+        page_tokens = tokens_bytes(page_tokens)
+    # One call: the key of every page of every request is computed here.
+    return hashlib.blake2b(parent_key + page_tokens, digest_size=KEY_BYTES).digest()
 
 
 def prefix_keys(namespace: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:

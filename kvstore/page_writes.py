@@ -17,7 +17,7 @@ that fails midway removes the room it reserved and leaves the cached pages as th
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
         kv = torch.cat([head.kv.to(kv.device), kv], dim=2)
         start = page_start
     tiers, placement = state.tiers, state.placement
-    writes: list[tuple[Node, str, torch.Tensor | None, int, int]] = []  # (page, tier, slot or None, first, end)
+    writes: list[tuple[Node, str, Any, int, int]] = []  # (page, tier, slot (tensor or numpy view) or None, first, end)
     path: list[Node] = []
     stored_tokens = 0
     with state.lock:
@@ -92,11 +92,12 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
     ok = False
     kv_array = host_array(kv)
+    token_bytes = spec.bytes_per_token
     try:
         for node, tier, slot, s, e in writes:
-            raw = tiers.slot_array(spec, tier, slot, e - s) if slot is not None and kv_array is not None else None
-            if raw is not None:  # a raw page in host memory: numpy copies it in
-                np.copyto(raw, kv_array[:, :, s - start:e - start], casting="no")
+            if slot.__class__ is np.ndarray and kv_array is not None:  # a raw page in host memory: numpy copies it in
+                np.copyto(slot[:(e - s) * token_bytes].view(kv_array.dtype).reshape(spec.kv_shape(e - s)),
+                          kv_array[:, :, s - start:e - start], casting="no")
             else:
                 durable.append(tiers.put_page(spec, node, tier, kv=kv[:, :, s - start:e - start], slot=slot))  # type: ignore[arg-type]
             if shared is not None and tier != shared.name and shared.available:

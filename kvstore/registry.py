@@ -76,6 +76,10 @@ class ModelRegistry:
         self._save()
         return model, True
 
+    def find(self, name: str, tenant: str | None) -> Model | None:
+        """The registration of `name`, or None (a name that is registered was validated then)."""
+        return self._models.get((tenant, name))
+
     def get(self, name: str, tenant: str | None) -> Model:
         model = self._models.get((tenant, name))
         if model is None:

@@ -130,7 +130,9 @@ class KVStore:
 
     def _model(self, model: str, tenant: str | None) -> Model:
         # No lock: a registry read is one dict lookup, and registrations are only ever replaced whole.
-        return self._registry.get(check_model_name(model), tenant)
+        # A registered name passed its check when it was registered; only a miss is checked here.
+        entry = self._registry.find(model, tenant) if model.__class__ is str else None
+        return entry if entry is not None else self._registry.get(check_model_name(model), tenant)
 
     # -- lookup ----------------------------------------------------------------------------
     def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None) -> LookupResult:

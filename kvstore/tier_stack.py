@@ -19,12 +19,12 @@ import warnings
 from functools import partial
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
 from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import ModelSpec, StoreConfig
-from kvstore.copy import NUMPY_DTYPES
 from kvstore.index import Node, PageIndex
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
@@ -71,6 +71,11 @@ class TierStack:
         # The tiers that lose copies on their own (corrupt records, failed writes, Redis
         # evictions): record tiers; a slot is only ever freed by the store.
         self.losing = [(name, tier) for name, tier in self.tiers.items() if not tier.keeps_slots]
+        # Slot tiers in host memory that keep pages raw (codec "none"): the store copies their
+        # pages with numpy (`raw_slot`), no codec and no torch view on the way.
+        self.raw_host = frozenset(name for name, tier in self.tiers.items()
+                                  if getattr(tier, "buffer_array", None) is not None
+                                  and self.codecs[name].name == "none")
 
     def close(self) -> None:
         for tier in reversed(self.tiers.values()):  # record tiers first: their writers drain
@@ -84,6 +89,11 @@ class TierStack:
         holder = self.tiers[tier]
         return holder.get(key) if holder.keeps_slots else None
 
+    def raw_slot(self, tier: str, key: bytes) -> np.ndarray | None:
+        """The slot of page `key` as a flat numpy uint8 view, where `tier` keeps pages raw in host
+        memory (`raw_host`); None elsewhere (use `slot` and the codec)."""
+        return self.tiers[tier].get_array(key) if tier in self.raw_host else None  # type: ignore[attr-defined]
+
     def keeps_slots(self, tier: str) -> bool:
         return self.tiers[tier].keeps_slots
 
@@ -94,26 +104,29 @@ class TierStack:
         raise AssertionError(f"{node} is in the tree but in no tier")
 
     def reserve(self, spec: ModelSpec, key: bytes, n: int,
-                namespace: bytes | None = None) -> tuple[str | None, int, torch.Tensor | None]:
+                namespace: bytes | None = None) -> tuple[str | None, int, Any]:
         """Room for a new page of `namespace` (its tenant's quota holds) in the top tier that has
-        it: (tier, bytes, slot or None)."""
+        it: (tier, bytes, slot or None). The slot of a `raw_host` tier is a numpy uint8 view."""
         for tier in self.placement.order:
             nbytes = self.size_for(spec, n, tier)
             if not self.placement.make_room(tier, nbytes, namespace):
                 continue
             if self.tiers[tier].keeps_slots:
-                slot = self.allocate(tier, key, nbytes)
+                slot = self.allocate(tier, key, nbytes, as_array=tier in self.raw_host)
                 if slot is None:
                     continue
                 return tier, nbytes, slot
             return tier, nbytes, None
         return None, 0, None
 
-    def allocate(self, tier: str, key: bytes, nbytes: int) -> torch.Tensor | None:
-        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes."""
+    def allocate(self, tier: str, key: bytes, nbytes: int, *, as_array: bool = False) -> Any:
+        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes.
+        `as_array`: as a numpy uint8 view (a `raw_host` tier), which the store copies into."""
         holder: SlotTier = self.tiers[tier]  # type: ignore[assignment]
         while True:
             try:
+                if as_array:
+                    return holder.allocate_array(key, nbytes)  # type: ignore[attr-defined]
                 return holder.allocate(key, nbytes)
             except TierFull:
                 if not self.placement.evict_one(tier):
@@ -131,6 +144,8 @@ class TierStack:
             slot = self.allocate(tier, node.key, self.size_in(node, tier))
             if slot is None:
                 return None
+        elif slot.__class__ is np.ndarray:  # reserved as an array (`reserve`), written by a codec
+            slot = torch.from_numpy(slot)
         codec = self.codecs[tier]
         dst = slot[:codec.encoded_bytes(spec, node.num_tokens)]
         if payload is not None:
@@ -208,17 +223,6 @@ class TierStack:
         for tier, batches in runs:
             record_tier: RecordTier = self.tiers[tier]  # type: ignore[assignment]
             yield from record_tier.read_ahead(batches, landings if record_tier.batched_reads else None)
-
-    def slot_array(self, spec: ModelSpec, tier: str, slot: torch.Tensor, num_tokens: int) -> Any:
-        """A slot that holds its page raw (codec "none") in host memory, as a numpy view of the
-        page's KV (L, 2, n, H, D): the store copies whole pages in and out of it with numpy
-        (kvstore/copy.py `host_array`, whose dtypes these are: bfloat16 as int16). None where the
-        codec must encode or decode the page or the slot is on a GPU: use `read_page` and the
-        codec's `encode`."""
-        dtype = NUMPY_DTYPES.get(spec.dtype)
-        if dtype is None or self.codecs[tier].name != "none" or not slot.is_cpu:
-            return None
-        return slot.numpy()[:num_tokens * spec.bytes_per_token].view(dtype).reshape(spec.kv_shape(num_tokens))
 
     def read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
                    record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:

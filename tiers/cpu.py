@@ -42,7 +42,8 @@ class CPUTier(SlotBufferTier):
         # Touch every page now (one memset, single-threaded): a first write into fresh memory
         # page-faults, which slowed every store until the tier had filled once. The tier's
         # memory is resident from the start, as its capacity promises.
-        self.buffer.numpy().fill(0)
+        self.buffer_array = self.buffer.numpy()
+        self.buffer_array.fill(0)
         self.codec = codec
         super().__init__(capacity_bytes)
 

@@ -12,6 +12,7 @@ Invariant: `used_bytes` is the sum of the sizes of the slots in `_slots`; no two
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvstore.tiers.base import SlotTier, TierFull
@@ -80,6 +81,9 @@ class SlotBufferTier(SlotTier):
 
     align_bytes: int
     buffer: torch.Tensor
+    # The buffer as a numpy array when it is in host memory (else None): the store copies raw
+    # pages in and out of numpy views of it, which cost a fraction of a torch slice to make.
+    buffer_array: np.ndarray | None = None
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
@@ -104,6 +108,20 @@ class SlotBufferTier(SlotTier):
             return None
         offset, size = slot
         return self.buffer[offset:offset + size]
+
+    def get_array(self, key: bytes) -> np.ndarray | None:
+        """`get` as a numpy uint8 view, for a buffer in host memory; None elsewhere or when absent."""
+        array = self.buffer_array
+        slot = self._slots.get(key) if array is not None else None
+        if slot is None:
+            return None
+        offset, size = slot
+        return array[offset:offset + size]
+
+    def allocate_array(self, key: bytes, nbytes: int) -> np.ndarray:
+        """`allocate` as a numpy uint8 view of `nbytes`, for a buffer in host memory. Raises TierFull."""
+        offset = self._slots.allocate(key, nbytes)
+        return self.buffer_array[offset:offset + nbytes]  # type: ignore[index]
 
     def delete(self, key: bytes) -> bool:
         return self._slots.free(key)
