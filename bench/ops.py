@@ -181,7 +181,7 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
     for the store cases (filled, so each store evicts)."""
     cases: list[Case] = []
     big = big_mib * MIB
-    plan = [(SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 32), (SPEC_512K, big, 2)]
+    plan = [(SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 32)] + ([(SPEC_512K, big, 2)] if big > 2 * MIB else [])
     fetch_store = KVStore(StoreConfig(data_dir=None, disk_bytes=0,
                                       cpu_bytes=sum(n * k for _, n, k in plan) + 16 * MIB))
     # One store per page size for the store cases: a CPU tier's freed slots serve only pages of
@@ -193,8 +193,6 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
         fetch_store.register_model(name, spec)
         store_stores[spec].register_model(name, spec)
     for spec, nbytes, count in plan:
-        if nbytes == big and big == 2 * MIB:
-            continue
         values = Values(nbytes, count, seed=nbytes)
         n_tokens = nbytes // spec.bytes_per_token
         kvs = [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(n_tokens)) for src in values.src]
@@ -223,14 +221,14 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
             np.copyto(dst, v.src[i % v.count])
 
         block = 8 if nbytes <= 2 * MIB else 2
-        if nbytes < big:
+        if nbytes <= 2 * MIB:
             cases.append(Case("in-process", "fetch", nbytes, fetch, values.memcpy, values.dict_get, values.fresh,
                               targets=[Target("dict", "cost", 3.0)] if nbytes == 64 * KIB else [], block=block))
         if nbytes >= 2 * MIB:
             cases.append(Case("in-process", "fetch into", nbytes, fetch_into, into_copy, values.dict_get_into(into_np),
                               targets=[Target("memcpy", "speed", 0.7 if nbytes == 2 * MIB else 0.9)],
                               note="into= a preallocated flat uint8 tensor", block=block))
-        if nbytes < big:
+        if nbytes <= 2 * MIB:
             kv, store_store = kvs[0], store_stores[spec]
             source = flat_bytes(kv).copy()  # not the dict's own buffer: a store copies from the caller's KV
             fill(lambda p, m=m, kv=kv, s=store_store: s.store(m, p, kv),

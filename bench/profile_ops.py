@@ -1,0 +1,497 @@
+"""Where the time goes: a profiler's breakdown of a one-page (64 KiB) and a four-page (2 MiB)
+store and fetch, in-process and through the sidecar (shared memory and TCP), in µs per call.
+
+    python bench/profile_ops.py [--quick] [--json FILE]
+    python bench/profile_ops.py --before-site DIR [--quick]    # the old code (PYTHONPATH=DIR) and this one
+
+Each case runs twice with the same calls: unprofiled, for its p50, then under cProfile. The
+profile's self times are grouped into categories (below); a builtin (a C function: a copy, a
+lock, a socket call, a hash) counts in its own category where it has one, else in its caller's.
+The profiler inflates Python-heavy code more than C copies, so the figures are each category's
+share of the profiled time scaled to the unprofiled p50: they say where the time goes, not what
+removing a part would save exactly.
+
+Through the sidecar, the client is profiled in this process and the sidecar in its own: it is
+started with a profiler that SIGUSR1 switches on and SIGUSR2 off (and dumps), a hook in this
+harness's launcher, not in the sidecar's code. Only the event loop's thread is profiled; every
+case here is answered on the loop (memory tiers, below `inline_copy_bytes`). Per call, the
+client's own time (without waiting for the answer), the sidecar's busy time (without its idle
+poll) and the rest (wake-ups, the loopback transfer, scheduling: "between the processes") add up
+to the profiled call time; all three are scaled to the unprofiled p50 in the same proportion.
+
+`--before-site DIR` runs the cases once with PYTHONPATH=DIR (an importable copy of older code)
+and once as this checkout imports it, and prints one table with both.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import kvstore  # noqa: E402
+from kvstore import KVStore, StoreConfig  # noqa: E402
+from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, fill, same_bytes, settle_collector,  # noqa: E402
+                       start_sidecar)
+
+SIZES = ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 16))  # (spec, value bytes, prestored values)
+TIER_BYTES = 64 * MIB
+
+# The sidecar's launcher: kvstore serve, with a profiler of the event loop's thread that
+# SIGUSR1 starts afresh and SIGUSR2 stops and dumps to <prefix>.<n>.
+LAUNCH_PROFILED = """import cProfile, os, signal, sys, kvstore
+print(kvstore.__file__, flush=True)
+prefix = sys.argv.pop(1)
+state = {"n": 0, "prof": None}
+import numpy as np
+copyto = np.copyto
+def profiled_copyto(*args, **kwargs):  # numpy 2's copyto is invisible to cProfile
+    return copyto(*args, **kwargs)
+def start(*_):
+    np.copyto = profiled_copyto
+    state["prof"] = cProfile.Profile()
+    state["prof"].enable()
+def stop(*_):
+    prof = state["prof"]
+    prof.disable()
+    np.copyto = copyto
+    path = f"{prefix}.{state['n']}"
+    prof.dump_stats(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    state["n"] += 1
+signal.signal(signal.SIGUSR1, start)
+signal.signal(signal.SIGUSR2, stop)
+from kvstore.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+# ---- categories ----------------------------------------------------------------------------
+
+# Builtins (C functions) by a part of their name: their own category, wherever called from.
+BUILTIN_RULES = [
+    (("copyto", "method 'copy_'", "'clone'", "method 'copy' of 'numpy", "memmove", "'tobytes'", "readinto",
+      "method 'write' of 'mmap", "'__setitem__' of 'mmap", "method 'copy' of 'mmap"), "copy"),
+    (("acquire", "release", "of '_thread.RLock'", "of '_thread.lock'"), "lock"),
+    (("poll' of 'select", "select.epoll", "'select'"), "idle: waiting in the event loop's poll"),
+    (("recv",), "socket receive"),
+    (("send",), "socket send"),
+    (("xxh", "blake2", "digest", "hexdigest", "sha1", "sha256", "md5"), "token hashing and tree match"),
+    (("msgpack", "Packer", "Unpacker", "unpackb", "packb"), "msgpack framing"),
+]
+# Python code by the file it is in (the first rule whose fragment is in the path wins).
+FILE_RULES = [
+    ("bench/", "harness"),
+    ("cProfile", "harness"),
+    ("kvstore/validation.py", "validation"),
+    ("kvstore/config.py", "validation"),
+    ("kvstore/keys.py", "token hashing and tree match"),
+    ("kvstore/index.py", "token hashing and tree match"),
+    ("kvstore/placement.py", "placement and policy bookkeeping"),
+    ("kvstore/policies.py", "placement and policy bookkeeping"),
+    ("kvstore/shadow.py", "placement and policy bookkeeping"),
+    ("kvstore/store_state.py", "placement and policy bookkeeping"),
+    ("kvstore/tier_stack.py", "placement and policy bookkeeping"),
+    ("tiers/slots.py", "placement and policy bookkeeping"),
+    ("tiers/cpu.py", "placement and policy bookkeeping"),
+    ("tiers/base.py", "placement and policy bookkeeping"),
+    ("kvstore/copy.py", "copy"),
+    ("kvstore/results.py", "tensor and result objects"),
+    ("kvstore/host_memory.py", "tensor and result objects"),
+    ("kvstore/codecs.py", "tensor and result objects"),
+    ("torch/", "tensor and result objects"),
+    ("numpy/", "tensor and result objects"),
+    ("tiers/disk", "disk tier"),
+    ("api/client", "client code"),
+    ("api/http1.py", "client code"),
+    ("api/shared_memory.py", "shared memory"),
+    ("api/framing.py", "msgpack framing"),
+    ("api/wire.py", "request decoding and checks"),
+    ("api/fast_path.py", "HTTP parsing and dispatch"),
+    ("api/", "HTTP parsing and dispatch"),  # handlers, middleware, the rest of the app
+    ("aiohttp/", "HTTP parsing and dispatch"),
+    ("multidict", "HTTP parsing and dispatch"),
+    ("yarl", "HTTP parsing and dispatch"),
+    ("asyncio/", "event loop"),
+    ("selectors.py", "event loop"),
+    ("kvstore/", "store control flow"),  # store.py, fetch_plan.py, page_writes.py, registry.py, ...
+    ("socket.py", "socket send"),
+]
+# Functions by name, before the file rules: the harness's stand-in for np.copyto (below).
+NAME_RULES = {"profiled_copyto": "copy"}
+OTHER = "other"
+IDLE = "idle: waiting in the event loop's poll"
+WAIT = "socket receive"
+POLICY = "placement and policy bookkeeping"  # the client: waiting for (and, over TCP, receiving) the answer
+
+
+def profiled_copyto(*args: Any, **kwargs: Any) -> Any:
+    """np.copyto while profiling: numpy 2 dispatches it through an object cProfile does not see,
+    so without this its time lands in whatever function called it."""
+    return _copyto(*args, **kwargs)
+
+
+_copyto = np.copyto
+
+
+def file_category(filename: str) -> str:
+    path = filename.replace(os.sep, "/")
+    for fragment, category in FILE_RULES:
+        if fragment in path:
+            return category
+    return OTHER
+
+
+def builtin_category(name: str) -> str | None:
+    for fragments, category in BUILTIN_RULES:
+        if any(f in name for f in fragments):
+            return category
+    return None
+
+
+def categorize(stats: dict) -> dict[str, float]:
+    """Seconds of self time per category. A builtin without a category of its own is split over
+    its callers' categories in proportion to the time each call site spent in it."""
+    out: dict[str, float] = {}
+    own: dict[tuple, str] = {}
+
+    def category_of(func: tuple) -> str:
+        if func not in own:
+            filename, _, name = func
+            if name in NAME_RULES:
+                own[func] = NAME_RULES[name]
+            elif filename == "~":
+                own[func] = builtin_category(name) or ""
+            else:
+                own[func] = file_category(filename)
+        return own[func]
+
+    def caller_category(func: tuple, depth: int = 0) -> str:
+        c = category_of(func)
+        if c or depth > 8:
+            return c or OTHER
+        callers = stats[func][4] if func in stats else {}
+        if not callers:
+            return OTHER
+        top = max(callers.items(), key=lambda kv: kv[1][2])[0]
+        return caller_category(top, depth + 1)
+
+    for func, (_, _, tt, _, callers) in stats.items():
+        c = category_of(func)
+        if c:
+            out[c] = out.get(c, 0.0) + tt
+            continue
+        total = sum(v[2] for v in callers.values())
+        if not callers or total <= 0:
+            out[OTHER] = out.get(OTHER, 0.0) + tt
+            continue
+        for caller, v in callers.items():
+            cc = caller_category(caller)
+            out[cc] = out.get(cc, 0.0) + tt * v[2] / total
+    return out
+
+
+# ---- running a case ------------------------------------------------------------------------
+
+def p50_us(fn: Callable[[int], Any], calls: int, offset: int) -> float:
+    times = np.empty(calls)
+    clock = time.perf_counter_ns
+    for j in range(calls):
+        t0 = clock()
+        fn(offset + j)
+        times[j] = clock() - t0
+    return float(np.median(times)) / 1e3
+
+
+def profiled(fn: Callable[[int], Any], calls: int, offset: int) -> tuple[dict, float]:
+    """-> (pstats' table, wall µs per call under the profiler)."""
+    prof = cProfile.Profile()
+    np.copyto = profiled_copyto
+    try:
+        t0 = time.perf_counter()
+        prof.enable()
+        for j in range(calls):
+            fn(offset + j)
+        prof.disable()
+        wall = (time.perf_counter() - t0) / calls * 1e6
+    finally:
+        np.copyto = _copyto
+    return pstats.Stats(prof).stats, wall  # type: ignore[attr-defined]
+
+
+def top(stats: dict, calls: int, n: int = 15) -> list[list]:
+    """The `n` functions with the most self time: [file:line(name), category, µs per call]."""
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [[f"{f}:{line}({name})", categorize({k: v}).popitem()[0] if v[2] else "", v[2] / calls * 1e6]
+            for (f, line, name), v in rows for k in [(f, line, name)]]
+
+
+def after_answer_s(stats: dict) -> float:
+    """Seconds in the sidecar's catch-up (the policy learning after an answer is written,
+    api/catch_up.py), which runs while the client reads its answer: off the call's critical path."""
+    return sum(v[3] for (f, _, name), v in stats.items()
+               if f.replace(os.sep, "/").endswith("api/catch_up.py") and name == "_run")
+
+
+def in_process_case(fn: Callable[[int], Any], calls: int, warm: int) -> dict[str, Any]:
+    for j in range(warm):
+        fn(j)
+    p50 = p50_us(fn, calls, warm)
+    stats, wall = profiled(fn, calls, warm + calls)
+    seconds = categorize(stats)
+    seconds.pop("harness", None)
+    total = sum(seconds.values())
+    return {"p50_us": p50, "profiled_us": wall,
+            "categories_us": {c: s / total * p50 for c, s in sorted(seconds.items(), key=lambda kv: -kv[1])},
+            "top": top(stats, calls)}
+
+
+def sidecar_case(fn: Callable[[int], Any], calls: int, warm: int, proc: subprocess.Popen,
+                 prefix: str, counter: list[int]) -> dict[str, Any]:
+    for j in range(warm):
+        fn(j)
+    p50 = p50_us(fn, calls, warm)
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.1)  # the sidecar's handler runs at its next bytecode
+    stats, wall = profiled(fn, calls, warm + calls)
+    proc.send_signal(signal.SIGUSR2)
+    path = f"{prefix}.{counter[0]}"
+    counter[0] += 1
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit("the sidecar did not write its profile")
+        time.sleep(0.02)
+    client = categorize(stats)
+    client.pop("harness", None)
+    server_stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+    server = categorize(server_stats)
+    server.pop(IDLE, None)
+    server.pop("harness", None)
+    # The catch-up is nearly all policy work; it overlaps the client, so it is shown apart.
+    after = min(after_answer_s(server_stats), server.get(POLICY, 0.0))
+    server[POLICY] = server.get(POLICY, 0.0) - after
+    waiting = client.pop(WAIT, 0.0)
+    client_us = sum(client.values()) / calls * 1e6
+    server_us = sum(server.values()) / calls * 1e6
+    between_us = max(0.0, wall - client_us - server_us)
+    scale = p50 / (client_us + server_us + between_us)
+    out = {f"client: {c}": s / calls * 1e6 * scale for c, s in client.items()}
+    out.update({f"sidecar: {c}": s / calls * 1e6 * scale for c, s in server.items()})
+    out["between the processes: wake-ups, loopback, scheduling"] = between_us * scale
+    return {"p50_us": p50, "profiled_us": wall, "client_waiting_profiled_us": waiting / calls * 1e6,
+            "after_answer_us": after / calls * 1e6 * scale,
+            "categories_us": dict(sorted(out.items(), key=lambda kv: -kv[1])),
+            "top_client": top(stats, calls), "top_sidecar": top(server_stats, calls)}
+
+
+def run_all(quick: bool, paths: set[str]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    calls = {64 * KIB: 300 if quick else 2000, 2 * MIB: 100 if quick else 600}
+    results: dict[str, Any] = {"kvstore": os.path.dirname(kvstore.__file__), "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="kvstore-profile-") as tmpdir:
+        tmp = Path(tmpdir)
+        tokens = TokenSource()
+        todo: list[tuple[str, Callable[[], dict]]] = []
+        closers: list[Any] = []
+        procs: list[subprocess.Popen] = []
+        try:
+            for spec, nbytes, count in SIZES:
+                n_tokens = nbytes // spec.bytes_per_token
+                kv = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).view(torch.float16).view(
+                    spec.kv_shape(n_tokens))
+                if "in-process" in paths:
+                    todo += in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls[nbytes], closers)
+                if "sidecar" in paths:
+                    todo += sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls[nbytes], closers, procs)
+            settle_collector()
+            for name, job in tqdm(todo, desc="bench/profile_ops", unit="case", file=sys.stderr):
+                results["cases"][name] = job()
+        finally:
+            for c in closers:
+                c.close()
+            for p in procs:
+                p.terminate()
+                p.wait(30)
+    return results
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+def in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls, closers) -> list:
+    store = KVStore(StoreConfig(data_dir=None, disk_bytes=0, cpu_bytes=TIER_BYTES))
+    closers.append(store)
+    store.register_model("m", spec)
+    fill(lambda p: store.store("m", p, kv), lambda: store.stats()["tiers"]["cpu"]["bytes"], TIER_BYTES, nbytes,
+         tokens, n_tokens)
+    prompts: list[list[int]] = []
+    stored = [tokens.take(n_tokens) for _ in range(4 * calls + 64)]
+
+    def store_op(i: int) -> Any:
+        return store.store("m", stored[i], kv)
+
+    def fetch_op(i: int) -> Any:
+        return store.fetch("m", prompts[i % count])
+
+    def store_job() -> dict:
+        return in_process_case(store_op, calls, 32)
+
+    def fetch_job() -> dict:
+        # Prestored after the store case (which evicts), so every fetch hits.
+        prompts.extend(tokens.take(n_tokens) for _ in range(count))
+        for p in prompts:
+            store.store("m", p, kv)
+        got = store.fetch("m", prompts[0])
+        if got.matched_tokens != n_tokens or not same_bytes(got.kv, kv):
+            raise SystemExit("in-process fetch did not return the stored KV")
+        out = in_process_case(fetch_op, calls, 32)
+        if store.fetch("m", prompts[-1]).matched_tokens != n_tokens:
+            raise SystemExit("in-process fetch missed")
+        return out
+
+    label = size_label(nbytes)
+    return [(f"in-process store {label}", store_job), (f"in-process fetch {label}", fetch_job)]
+
+
+def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers, procs) -> list:
+    from kvstore import KVStoreClient
+
+    # One sidecar per value size: a CPU tier's freed slots serve only pages of their own size.
+    prefix = str(tmp / f"profile-{nbytes}")
+    proc, url, _ = start_sidecar(tmp / f"sidecar-{nbytes}", TIER_BYTES, launch=LAUNCH_PROFILED, extra_args=(prefix,))
+    procs.append(proc)
+    counter = [0]
+    admin = KVStoreClient(url)
+    closers.append(admin)
+    admin.register_model("m", spec)
+    fill(lambda p: admin.store("m", p, kv), lambda: admin.stats()["tiers"]["cpu"]["bytes"], TIER_BYTES, nbytes,
+         tokens, n_tokens)
+    prompts: list[list[int]] = []
+    label = size_label(nbytes)
+    jobs = []
+    clients = {}
+    for transport in ("shm", "tcp"):
+        clients[transport] = KVStoreClient(url, shared_memory_bytes=None if transport == "shm" else 0)
+        closers.append(clients[transport])
+    for transport in ("shm", "tcp"):
+        client = clients[transport]
+        stored = [tokens.take(n_tokens) for _ in range(4 * calls + 64)]
+
+        def store_job(client=client, stored=stored) -> dict:
+            return sidecar_case(lambda i: client.store("m", stored[i], kv), calls, 32, proc, prefix, counter)
+
+        jobs.append((f"sidecar {transport} store {label}", store_job))
+    for transport in ("shm", "tcp"):
+        client = clients[transport]
+
+        def fetch_job(client=client) -> dict:
+            if not prompts:  # prestored after the store cases (which evict), so every fetch hits
+                prompts.extend(tokens.take(n_tokens) for _ in range(count))
+                for p in prompts:
+                    admin.store("m", p, kv)
+            got = client.fetch("m", prompts[0])
+            if got.matched_tokens != n_tokens or not same_bytes(got.kv, kv):
+                raise SystemExit("sidecar fetch did not return the stored KV")
+            del got
+            out = sidecar_case(lambda i: client.fetch("m", prompts[i % count]), calls, 32, proc, prefix, counter)
+            if client.fetch("m", prompts[-1]).matched_tokens != n_tokens:
+                raise SystemExit("sidecar fetch missed")
+            return out
+
+        jobs.append((f"sidecar {transport} fetch {label}", fetch_job))
+    return jobs
+
+
+# ---- report --------------------------------------------------------------------------------
+
+GROUPS = ("in-process", "sidecar shm", "sidecar tcp")
+
+
+def tables(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """One table per group: categories down, cases across (each as `before / after` when two runs)."""
+    out = []
+    for group in GROUPS:
+        names = [n for n in runs[0][1]["cases"] if n.startswith(group + " ")]
+        if not names:
+            continue
+        categories: dict[str, float] = {}
+        for _, run in runs:
+            for n in names:
+                for c, us in run["cases"].get(n, {}).get("categories_us", {}).items():
+                    categories[c] = categories.get(c, 0.0) + us
+        order = sorted(categories, key=lambda c: -categories[c])
+        labels = " / ".join(label for label, _ in runs)
+        head = [n[len(group) + 1:] for n in names]
+        out.append(f"**{group}** (µs per call{', ' + labels if len(runs) > 1 else ''})\n")
+        out.append("| category | " + " | ".join(head) + " |")
+        out.append("|---|" + "---|" * len(head))
+
+        def cell(n: str, get: Callable[[dict], float | None]) -> str:
+            vals = [get(run["cases"].get(n, {})) for _, run in runs]
+            return " / ".join("–" if v is None else f"{v:,.1f}" for v in vals)
+
+        out.append("| **p50, unprofiled** | " + " | ".join(
+            cell(n, lambda case: case.get("p50_us")) for n in names) + " |")
+        for c in order:
+            out.append(f"| {c} | " + " | ".join(
+                cell(n, lambda case, c=c: case.get("categories_us", {}).get(c, 0.0) if case else None)
+                for n in names) + " |")
+        if any("after_answer_us" in run["cases"].get(n, {}) for _, run in runs for n in names):
+            out.append("| *sidecar, after the answer (policy learning, overlaps the next request; not in p50)* | "
+                       + " | ".join(cell(n, lambda case: case.get("after_answer_us")) for n in names) + " |")
+        out.append("| profiled call (inflation) | " + " | ".join(
+            cell(n, lambda case: case.get("profiled_us")) for n in names) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls per case")
+    parser.add_argument("--paths", default="in-process,sidecar", help="in-process and/or sidecar")
+    parser.add_argument("--before-site", metavar="DIR",
+                        help="also run the cases with PYTHONPATH=DIR (older code) and print both")
+    parser.add_argument("--json", metavar="FILE", help="write the results here")
+    args = parser.parse_args(argv)
+    paths = set(args.paths.split(","))
+    if not paths <= {"in-process", "sidecar"}:
+        parser.error(f"--paths: expected in-process and/or sidecar, got {args.paths!r}")
+    runs: list[tuple[str, dict[str, Any]]] = []
+    if args.before_site:
+        with tempfile.TemporaryDirectory(prefix="kvstore-profile-before-") as tmpdir:
+            out = Path(tmpdir) / "before.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--paths", args.paths, "--json", str(out)]
+            env = {**os.environ, "PYTHONPATH": args.before_site}
+            subprocess.run(cmd + (["--quick"] if args.quick else []), check=True, env=env, cwd=tmpdir,
+                           stdout=subprocess.DEVNULL)
+            runs.append(("before", json.loads(out.read_text())["this run"]))
+    print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
+    runs.append(("after" if runs else "this run", run_all(args.quick, paths)))
+    for label, run in runs:
+        print(f"{label}: kvstore from {run['kvstore']}")
+    print(tables(runs))
+    if args.json:
+        Path(args.json).write_text(json.dumps({label: run for label, run in runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
