@@ -9,6 +9,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
+from kvstore.api.event_loop import EVENT_LOOPS
 from kvstore.config import check_int
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -35,6 +36,9 @@ class ServerConfig:
     # Answer data requests that need no I/O straight from the connection's reads, before
     # aiohttp's request machinery (api/fast_path.py; what it saves: docs/performance.md).
     fast_path: bool = True
+    # The event loop `kvstore serve` runs on: "auto" (uvloop when installed, else asyncio's),
+    # "uvloop" or "asyncio" (api/event_loop.py says why).
+    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -52,6 +56,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s: must be in [0, 3600], got {self.shutdown_timeout_s!r}")
         if not (isinstance(self.body_timeout_s, (int, float)) and 0 < self.body_timeout_s <= 3600):
             raise ValueError(f"body_timeout_s: must be in (0, 3600], got {self.body_timeout_s!r}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop: must be one of {', '.join(EVENT_LOOPS)}; got {self.event_loop!r}")
         check_int("max_connections", self.max_connections, 1, 1 << 20)
         check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 64 << 20)
         if self.auth_file is not None and (not isinstance(self.auth_file, str) or not self.auth_file):

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from kvstore.api.app import create_app
 from kvstore.api.auth import load_auth_file
+from kvstore.api import event_loop
 from kvstore.api.config import ServerConfig
 from kvstore.api.connection_limit import ConnectionLimitedSite
 from kvstore.config import StoreConfig
@@ -76,8 +77,9 @@ def describe(store_config: StoreConfig, server_config: ServerConfig, sock: socke
         tiers.append(detail)
     auth = f"bearer tokens from {server_config.auth_file}" if server_config.auth_file else "off"
     shm = "on" if server_config.shared_memory else "off"
+    loop = event_loop.loop_name(asyncio.get_running_loop())
     return (f"kvstore serving on http://{host}:{port} | tiers: {', '.join(tiers)} | policy {store_config.policy}, "
-            f"{store_config.durability} | auth: {auth} | shared memory: {shm}")
+            f"{store_config.durability} | auth: {auth} | shared memory: {shm} | event loop: {loop}")
 
 
 async def run(store_config: StoreConfig, server_config: ServerConfig) -> None:
@@ -137,7 +139,12 @@ def serve(store_config: StoreConfig, server_config: ServerConfig) -> int:
     logging.basicConfig(level=server_config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(run(store_config, server_config))
+        event_loop.loop_factory(server_config.event_loop)  # uvloop asked for and missing: one line, before anything starts
+    except ValueError as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        event_loop.run(run(store_config, server_config), server_config.event_loop)
     except ServeError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2

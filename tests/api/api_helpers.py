@@ -17,6 +17,7 @@ from kv_tensors import random_kv as random_kv  # the sidecar tests take it from 
 from kvstore.api.app import create_app
 from kvstore.api.config import ServerConfig
 from kvstore.api.connection_limit import ConnectionLimitedSite
+from kvstore.api.event_loop import loop_factory
 from kvstore.api.server import listen_socket
 from kvstore import KVStore
 
@@ -47,10 +48,11 @@ async def call(http: TestClient, method: str, path: str, body: Any = None, *,
 
 class LiveServer:
     """The app on a real socket, served by an event loop in a background thread, through the
-    site `kvstore serve` uses (connection limit, and the fast path unless the config turns it off)."""
+    site `kvstore serve` uses (connection limit, and the fast path unless the config turns it off),
+    on the event loop the config names (uvloop when installed, by default, as `kvstore serve`)."""
 
     def __init__(self, store: KVStore, config: ServerConfig, *, keepalive_timeout_s: float = 75.0):
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory(config.event_loop)()
         self.app = create_app(store, config)
         self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=keepalive_timeout_s)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

@@ -3,6 +3,7 @@ stops cleanly on SIGTERM and finds its pages on disk after a restart."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -48,6 +49,8 @@ def test_bad_values_name_the_flag_or_variable():
     with pytest.raises(ValueError, match="policy"):
         configs(["--policy", "random"], {})
     assert main(["serve", "--durability", "sometimes"], {}) == 2
+    with pytest.raises(ValueError, match="event_loop: must be one of auto, uvloop, asyncio"):
+        configs(["--event-loop", "gevent"], {})
 
 
 def test_non_loopback_bind_needs_auth_or_insecure():
@@ -92,6 +95,8 @@ def test_serve_subprocess_roundtrip_sigterm_and_restart(tmp_path):
     port = _free_port()
     proc, line = _start(tmp_path / "data", port)
     assert f"http://127.0.0.1:{port}" in line and "cpu 16.0MiB" in line and "disk 64.0MiB" in line
+    # "auto": uvloop when installed (api/event_loop.py)
+    assert f"event loop: {'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}" in line
     with KVStoreClient(f"http://127.0.0.1:{port}") as client:
         client.register_model("m", spec)
         assert client.store("m", tokens, kv).stored_tokens == 10

@@ -2,6 +2,7 @@
 have answered, what it does not take reaches aiohttp unchanged, and answers keep request order."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import time
@@ -41,10 +42,15 @@ def _pack(obj: dict) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-@pytest.fixture
-def served(store: KVStore, spec: ModelSpec):
-    """A live server with the fast path on, a model, and 8 stored tokens."""
-    server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
+# The fast path only uses asyncio's transport and protocol interfaces: it must behave the same
+# on both loops `kvstore serve` may run (api/event_loop.py).
+LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
+
+
+@pytest.fixture(params=LOOPS)
+def served(store: KVStore, spec: ModelSpec, request: pytest.FixtureRequest):
+    """A live server with the fast path on, a model, and 8 stored tokens, on each event loop."""
+    server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, event_loop=request.param))
     with KVStoreClient(server.url, shared_memory_bytes=0) as client:
         client.register_model("m", spec)
         client.store("m", list(range(8)), random_kv(spec, 8, seed=1))
@@ -61,12 +67,13 @@ def _handed_to_aiohttp(server: LiveServer) -> int:
     return sum(lane.handed for lane in server.app[FAST_PATH].lanes.values())
 
 
-def test_clients_get_the_same_answers_with_and_without_it(tmp_path, spec: ModelSpec):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_clients_get_the_same_answers_with_and_without_it(tmp_path, spec: ModelSpec, loop: str):
     kv = random_kv(spec, 12, seed=3)
     answers = []
     for fast in (True, False):
         with KVStore(_store_config(tmp_path / str(fast))) as store:
-            server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, fast_path=fast))
+            server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, fast_path=fast, event_loop=loop))
             try:
                 with KVStoreClient(server.url) as shm, KVStoreClient(server.url, shared_memory_bytes=0) as tcp:
                     shm.register_model("m", spec)
