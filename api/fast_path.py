@@ -48,7 +48,7 @@ from kvstore.api import handlers, wire
 from kvstore.api.auth import PROTECTED_PREFIX, bearer_tenant
 from kvstore.api.catch_up import CATCH_UP
 from kvstore.api.context import AUTH, CONFIG
-from kvstore.api.framing import pack_map_prefix
+from kvstore.api.framing import SMALL_BODY_BYTES, pack_map_prefix
 from kvstore.api.metrics import METRICS
 from kvstore.fetch_plan import FetchPlan
 
@@ -58,6 +58,7 @@ Route = Callable[[web.Application, Any, dict, "str | None"], "Answer | FetchPlan
 
 _HEAD_END = b"\r\n\r\n"
 MAX_HEAD_BYTES = 8190  # aiohttp's default line limit; a whole head past it is never ours
+HEAD_CACHE_ENTRIES = 256  # distinct heads kept (emptied when full): clients' heads differ by Content-Length
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP header name (RFC 9110 token), lowercased
 _REFUSED_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 
@@ -98,6 +99,9 @@ class FastPath:
                                 metrics.latency.labels(path.decode(), "POST")) for path in ROUTES}
         self._date = (0, b"")
         self.catch_up = app[CATCH_UP]
+        # Heads this path took, by their bytes (`_take_head`); only taken ones, so a refused
+        # token is checked again every time.
+        self._heads: dict[bytes, tuple[bytes, Route, int, str | None]] = {}
 
     def lane(self, transport: Any) -> "Lane":
         lane = self.lanes[transport] = Lane(self, transport)
@@ -118,26 +122,27 @@ class FastPath:
         head_end = data.find(_HEAD_END)
         if not 0 < head_end <= MAX_HEAD_BYTES:  # longer heads: aiohttp's own limits apply
             return None
-        lines = data[:head_end].split(b"\r\n")
-        _, _, rest = lines[0].partition(b" ")  # the method is POST (checked above)
-        path, _, version = rest.partition(b" ")
-        route = ROUTES.get(path)
-        if route is None or version != b"HTTP/1.1":
-            return None
-        headers = _headers(lines[1:])
-        body_bytes = len(data) - head_end - len(_HEAD_END)
-        if headers is None or not _plain(headers) or _content_length(headers) != body_bytes \
-                or body_bytes > self.app[CONFIG].max_body_bytes:  # aiohttp answers 413
-            return None
-        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower().decode("latin-1")
-        if content_type not in wire.MSGPACK_TYPES and content_type not in wire.DEFAULT_TYPES:
-            return None
-        if wire.answer_in_json(headers.get(b"accept", b"").decode("latin-1"), content_type, "POST"):
+        head = data[:head_end]
+        taken = self._heads.get(head)
+        if taken is None:
+            try:
+                taken = self._take_head(head)
+            except Exception:  # a bad token (aiohttp answers 401), a bug: aiohttp's
+                return None
+            if taken is None:
+                return None
+            if len(self._heads) >= HEAD_CACHE_ENTRIES:
+                self._heads.clear()
+            self._heads[head] = taken
+        path, route, length, tenant = taken
+        body_at = head_end + len(_HEAD_END)
+        if len(data) - body_at != length:
             return None
         try:
-            tenant = self._tenant(path, headers)
-            body = wire.decode_msgpack(bytearray(memoryview(data)[head_end + len(_HEAD_END):]))
-            answer = route(self.app, transport, body, tenant)
+            # A small body is decoded straight from the read (its bins come back as copies); a
+            # large one from a writable copy, since its bins are views (a store's kv).
+            body = memoryview(data)[body_at:] if length <= SMALL_BODY_BYTES else bytearray(memoryview(data)[body_at:])
+            answer = route(self.app, transport, wire.decode_msgpack(body), tenant)
         except Exception:  # aiohttp answers it (the same error, or a logged 500 for a bug)
             return None
         if answer is None or isinstance(answer, FetchPlan):
@@ -146,6 +151,29 @@ class FastPath:
         requests.inc()
         latency.observe(time.perf_counter() - began)
         return self._encode(*answer)
+
+    def _take_head(self, head: bytes) -> tuple[bytes, Route, int, "str | None"] | None:
+        """(path, route, Content-Length, tenant) of a request head this path takes, else None.
+        Depends on nothing but the head's bytes and the app's fixed config and auth table, so
+        `answer` keeps it by head: a client's heads repeat byte for byte."""
+        lines = head.split(b"\r\n")
+        _, _, rest = lines[0].partition(b" ")  # the method is POST (checked by `answer`)
+        path, _, version = rest.partition(b" ")
+        route = ROUTES.get(path)
+        if route is None or version != b"HTTP/1.1":
+            return None
+        headers = _headers(lines[1:])
+        if headers is None or not _plain(headers):
+            return None
+        length = _content_length(headers)
+        if length is None or length > self.app[CONFIG].max_body_bytes:  # aiohttp answers 413
+            return None
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower().decode("latin-1")
+        if content_type not in wire.MSGPACK_TYPES and content_type not in wire.DEFAULT_TYPES:
+            return None
+        if wire.answer_in_json(headers.get(b"accept", b"").decode("latin-1"), content_type, "POST"):
+            return None
+        return path, route, length, self._tenant(path, headers)
 
     def _tenant(self, path: bytes, headers: dict[bytes, bytes]) -> str | None:
         table = self.app[AUTH]

@@ -83,6 +83,12 @@ def shm_region(app: web.Application, transport: Any, req: wire.TokensRequest) ->
     return app[SHARED_MEMORY].arena(transport).region(offset, nbytes, field="shm")
 
 
+def shm_array(app: web.Application, transport: Any, req: wire.TokensRequest) -> Any:
+    """The same region as a flat uint8 numpy array (a store reads it as bytes: no tensor needed)."""
+    offset, nbytes = req.shm  # type: ignore[misc]
+    return app[SHARED_MEMORY].arena(transport).region_array(offset, nbytes, field="shm")
+
+
 # ---- what runs on the event loop: shared with api/fast_path.py, which answers the same requests
 # before aiohttp's request machinery. The loop never waits for the store: each of these enters it
 # only through `unless_busy` and returns None (the work goes to a pool thread) when another
@@ -119,7 +125,7 @@ def fetch_inline(app: web.Application, req: wire.TokensRequest, tenant: str | No
         if plan.needs_io or plan.nbytes > app[CONFIG].inline_copy_bytes:
             return plan
         result = plan.run()
-    return wire.fetch_answer(result.matched_tokens, wire.kv_payload(result.kv), req.shm, into)
+    return wire.fetch_answer(result.matched_tokens, result.kv, req.shm, into)
 
 
 def release_plan(app: web.Application, plan: FetchPlan) -> None:
@@ -140,7 +146,7 @@ async def run_plan(request: web.Request, plan: FetchPlan, req: wire.TokensReques
     """A planned fetch's answer, read on a pool thread (kv_payload copies a strided kv: off the loop too)."""
     def read() -> tuple[dict, Any]:
         found = plan.run()
-        return wire.fetch_answer(found.matched_tokens, wire.kv_payload(found.kv), req.shm, into)
+        return wire.fetch_answer(found.matched_tokens, found.kv, req.shm, into)
 
     try:
         return await run_blocking(request, read)
@@ -158,7 +164,7 @@ class StoreJob:
     def __init__(self, app: web.Application, transport: Any, req: wire.StoreRequest, put_kv: PutKV,
                  tenant: str | None):
         self.kvstore = app[STORE]
-        self.raw = memoryview(shm_region(app, transport, req).numpy()) if req.shm else req.kv
+        self.raw = memoryview(shm_array(app, transport, req)) if req.shm else req.kv
         self.nbytes = self.raw.nbytes
         self.req, self.put_kv, self.tenant = req, put_kv, tenant
 
@@ -225,7 +231,7 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 
 def _fetch_answer(kvstore: Any, req: wire.TokensRequest, tenant: str | None, into: Any) -> tuple[dict, Any]:
     found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
-    return wire.fetch_answer(found.matched_tokens, wire.kv_payload(found.kv), req.shm, into)
+    return wire.fetch_answer(found.matched_tokens, found.kv, req.shm, into)
 
 
 async def store_chunk(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import json
 import reprlib
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ DEFAULT_TYPES = frozenset({"", "application/octet-stream"})
 # model spec's rope_scaling ({"long_factor": [...]}) reach 3. Deeper bodies are refused before
 # they are decoded (api/nesting.py): decoders recurse once per level.
 MAX_BODY_DEPTH = 3
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> its name in answers
 
 
 @dataclass(frozen=True)
@@ -115,15 +117,19 @@ def decode_json(body: bytearray | memoryview) -> dict[str, Any]:
 
 # ---- fields ----------------------------------------------------------------------------------
 
-def check_fields(body: dict[str, Any], required: Iterable[str], optional: Iterable[str] = ()) -> None:
-    required = tuple(required)
+def check_fields(body: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     for name in required:
         if name not in body:
             raise _error_for(name)(f"{name}: required", field=name)
-    allowed = set(required) | set(optional)
-    for name in body:
-        if name not in allowed:
-            raise InvalidRequest(f"{name}: unknown field (expected {', '.join(sorted(allowed))})", field=name)
+    allowed = _allowed(required, optional)
+    if not allowed.issuperset(body):
+        name = next(name for name in body if name not in allowed)
+        raise InvalidRequest(f"{name}: unknown field (expected {', '.join(sorted(allowed))})", field=name)
+
+
+@functools.lru_cache(maxsize=None)  # a handful of routes' field lists: the set is made once per route
+def _allowed(required: tuple[str, ...], optional: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(required) | frozenset(optional)
 
 
 def model_name(value: Any, field: str = "model") -> str:
@@ -133,15 +139,16 @@ def model_name(value: Any, field: str = "model") -> str:
 
 
 def tokens(value: Any) -> Any:
-    """An int array or int32 LE bin -> list[int] or a 1-D int32 ndarray (a view, no copy)."""
+    """An int array or int32 LE bin -> list[int] or a 1-D int32 ndarray (a view, no copy).
+
+    A bin's ids are not range-checked here: every store call that takes tokens checks an int32
+    array's sign itself (kvstore/validation.py `token_bytes`, InvalidTokens naming `tokens`), and
+    checking twice cost a numpy reduction per request."""
     if isinstance(value, memoryview):
         if value.nbytes % 4:
             raise InvalidTokens(f"tokens: a bin of int32 needs a multiple of 4 bytes, got {value.nbytes}",
                                 field="tokens")
-        arr = np.frombuffer(value, dtype="<i4")
-        if arr.size and int(arr.min()) < 0:
-            raise InvalidTokens(f"tokens: ids must be >= 0, got {int(arr.min())}", field="tokens")
-        return arr
+        return np.frombuffer(value, dtype="<i4")
     if not isinstance(value, list):
         raise InvalidTokens(f"tokens: expected an array of ints or a bin of int32, got {_show(value)}", field="tokens")
     for i, tok in enumerate(value):
@@ -299,19 +306,21 @@ def kv_payload(kv: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
     if kv is None:
         return {"kv": None}, None
     raw = kv.contiguous().view(-1).view(torch.uint8).numpy()  # flat bytes of (L, 2, T, H, D)
-    return {"dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, raw
+    return {"dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape)}, raw
 
 
-def fetch_answer(matched_tokens: int, payload: tuple[dict[str, Any], Any], shm: tuple[int, int] | None,
+def fetch_answer(matched_tokens: int, kv: torch.Tensor | None, shm: tuple[int, int] | None,
                  into: Any) -> tuple[dict[str, Any], Any]:
     """A fetch's answer as (fields, kv bytes or None): `shm` instead of `kv` when the store wrote
-    the kv into the client's region `into` (the bytes are already where the client reads them)."""
-    fields, raw = payload
-    fields = {"matched_tokens": matched_tokens, **fields}
-    if into is not None and raw is not None and raw.nbytes and raw.ctypes.data == into.data_ptr():
+    the kv into the client's region `into` (the bytes are already where the client reads them;
+    nothing else to view or convert). Otherwise as `kv_payload`: call it off the loop then."""
+    if into is not None and kv is not None and kv.numel() and kv.data_ptr() == into.data_ptr() \
+            and kv.is_contiguous():
         assert shm is not None
-        return {**fields, "shm": {"offset": shm[0], "nbytes": raw.nbytes}}, None
-    return fields, raw
+        return {"matched_tokens": matched_tokens, "dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape),
+                "shm": {"offset": shm[0], "nbytes": kv.numel() * kv.element_size()}}, None
+    fields, raw = kv_payload(kv)
+    return {"matched_tokens": matched_tokens, **fields}, raw
 
 
 async def respond_answer(request: web.Request, fields: dict[str, Any], raw: Any) -> web.StreamResponse:
