@@ -179,27 +179,40 @@ class TierStack:
                           tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
                           payload=payload, kind="page" if node.root.key == node.namespace else "chunk")
 
-    def promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> None:
-        """Copy a page served by a lower tier into the top tier (under the lock)."""
+    def promote(self, spec: ModelSpec, node: Node, kv: Any) -> None:
+        """Copy a page served by a lower tier into the top tier (under the lock). `kv`: its KV
+        (L, 2, n, H, D) as a tensor, or as a numpy view of the fetch answer (kvstore/copy.py
+        NUMPY_DTYPES), which a `raw_host` top tier takes with one numpy copy."""
         top = self.top
         if top in node.tiers or not self.tiers[top].keeps_slots or not node.ready:
             return
         nbytes = self.size_in(node, top)
         if not self.placement.make_room(top, nbytes, node.namespace):
             return
+        if kv.__class__ is np.ndarray:
+            if top in self.raw_host:
+                slot = self.allocate(top, node.key, nbytes, as_array=True)
+                if slot is None:
+                    return
+                np.copyto(slot[:kv.nbytes].view(kv.dtype).reshape(kv.shape), kv, casting="no")
+                self.placement.add(node, top, nbytes)
+                self.placement.usage[top].promotions += 1
+                return
+            kv = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
         if self.put_page(spec, node, top, kv=kv) is None:
             return
         self.placement.add(node, top, nbytes)
         self.placement.usage[top].promotions += 1
 
-    def record_batches(self, reads: list, spec: ModelSpec | None = None, out: torch.Tensor | None = None,
+    def record_batches(self, reads: list, spec: ModelSpec | None = None, out: Any = None,
                        start: int = 0) -> Iterator[dict[bytes, PageRecord | None]]:
         """Records of the reads served by record tiers, in order, one dict per batch. A tier
         that batches (Redis: `read_ahead`, pipelined, the next batches in flight while the
-        caller decodes this one) gets runs of up to READ_BATCH_BYTES; others one page a call.
-        `out` (L, 2, T, H, D), the answer from token `start` on: a batching tier receives the
-        uncompressed payload of a page read whole straight into its place there (no copy out
-        of a receive buffer); `read_page` then finds it done. Such a page's place in `out`
+        caller decodes this one; disk: one read transaction a batch) gets runs of up to
+        READ_BATCH_BYTES; others one page a call. `out` (L, 2, T, H, D), a tensor or its numpy
+        array, the answer from token `start` on: a batching tier puts the uncompressed payload
+        of a page read whole straight into its place there (received from the socket, copied
+        out of the LMDB map); `read_page` then finds it done. Such a page's place in `out`
         holds garbage if its record is lost: the caller serves only up to the first lost page.
         Outside the lock: the pages are pinned."""
         runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
@@ -235,11 +248,13 @@ class TierStack:
         if slot is not None:
             data = slot[:codec.encoded_bytes(spec, n)]
         else:
-            if record is None or not _describes(spec, node, record):
+            if record is None:
                 return None
-            if isinstance(record.payload, Landing):  # received into `out` by record_batches
-                assert whole, "record_batches lands only pages read whole"
-                return True
+            if record.payload.__class__ is Landing:  # landed in `out` by record_batches, whose
+                assert whole, "record_batches lands only pages read whole"  # accepts checked
+                return True  # the header against this node (`_lands_raw`)
+            if not _describes(spec, node, record):
+                return None
             if record.codec != codec.name:  # sidecars sharing Redis may run different codecs
                 if record.codec not in CODEC_NAMES:
                     return None
@@ -355,9 +370,13 @@ def _lands_raw(spec: ModelSpec, node: Node, record: PageRecord) -> bool:
     return record.codec == "none" and record.dtype == spec.dtype and _describes(spec, node, record)
 
 
-def _answer_bytes(out: torch.Tensor) -> memoryview | None:
-    """A writable byte view of a fetch answer, or None where payloads cannot be received into
-    it (on a GPU, or not one contiguous block)."""
+def _answer_bytes(out: Any) -> memoryview | None:
+    """A writable byte view of a fetch answer (a tensor, or a numpy array: cheaper to view), or
+    None where payloads cannot be received into it (on a GPU, or not one contiguous block)."""
+    if out.__class__ is np.ndarray:
+        if not out.flags.c_contiguous or out.size == 0:
+            return None
+        return memoryview(out.reshape(-1).view(np.uint8))
     if out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
         return None
     return memoryview(out.view(-1).view(torch.uint8).numpy())

@@ -92,3 +92,23 @@ def test_a_record_changed_on_disk_after_it_was_read_is_a_miss(make_store, spec, 
     assert got.matched_tokens == 4 and torch.equal(got.kv, kv[:, :, :4])  # up to the changed page
     assert store.stats()["corrupt_records"] == 1
     assert store.fetch("m", tokens).matched_tokens == 4  # deleted: it stays a miss
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_disk_hit_is_promoted_and_then_served_bit_exact_from_the_cpu_tier(make_store, dtype):
+    spec = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, page_size=4)
+    store = make_store(cpu_bytes=spec.page_bytes * 4)
+    store.register_model("m", spec)
+    tokens, other = list(range(10)), list(range(500, 516))  # 2 pages + a tail page; 4 pages
+    kv = random_kv(spec, 10, 1)
+    store.store("m", tokens, kv)
+    store.store("m", other, random_kv(spec, 16, 2))  # pushes the first prompt down to disk
+    assert store.lookup("m", tokens).tiers == {"disk": 10}
+
+    got = store.fetch("m", tokens)
+    assert got.matched_tokens == 10 and torch.equal(got.kv, kv)
+    assert store.lookup("m", tokens).tiers == {"cpu": 10}  # every page promoted on the way
+    assert store.stats()["tiers"]["cpu"]["promotions"] == 3
+    got.kv.zero_()  # the promoted copies are the tier's own, not views of the answer
+    again = store.fetch("m", tokens)
+    assert again.matched_tokens == 10 and torch.equal(again.kv, kv)
