@@ -304,8 +304,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_sidecar(data_dir: Path, cpu_bytes: int, launch: str = LAUNCH,
-                  extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
+def start_sidecar(data_dir: Path, cpu_bytes: int, launch: str = LAUNCH, extra_args: tuple[str, ...] = (),
+                  serve_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
     """`kvstore serve` (CPU tier only) in a subprocess that imports the kvstore this process
     does (PYTHONPATH is inherited; the working directory is a temporary one, since `-c` puts it
     first on sys.path). -> (process, url, its kvstore.__file__)."""
@@ -313,7 +313,7 @@ def start_sidecar(data_dir: Path, cpu_bytes: int, launch: str = LAUNCH,
     data_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-c", launch, *extra_args, "serve", "--port", str(port),
                              "--data-dir", str(data_dir), "--cpu-bytes", str(cpu_bytes), "--disk-bytes", "0",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, text=True, cwd=data_dir)
+                             "--log-level", "warning", *serve_args], stdout=subprocess.PIPE, text=True, cwd=data_dir)
     assert proc.stdout is not None
     where = proc.stdout.readline().strip()
     line = proc.stdout.readline()

@@ -14,7 +14,11 @@ removing a part would save exactly.
 Through the sidecar, the client is profiled in this process and the sidecar in its own: it is
 started with a profiler that SIGUSR1 switches on and SIGUSR2 off (and dumps), a hook in this
 harness's launcher, not in the sidecar's code. Only the event loop's thread is profiled; every
-case here is answered on the loop (memory tiers, below `inline_copy_bytes`). Per call, the
+case here is answered on the loop (memory tiers, below `inline_copy_bytes`). On uvloop, the
+loop's own work and its transports' writes are C that cProfile does not see: a write's time (the
+send, which on a 2-core host also wakes the client) lands in the Python function that called it
+(the fast path's `take`), the loop's in "between the processes"; `--serve-arg=--event-loop=asyncio`
+profiles the same app on asyncio's loop, where both are Python and socket calls. Per call, the
 client's own time (without waiting for the answer), the sidecar's busy time (without its idle
 poll) and the rest (wake-ups, the loopback transfer, scheduling: "between the processes") add up
 to the profiled call time; all three are scaled to the unprofiled p50 in the same proportion.
@@ -301,7 +305,7 @@ def sidecar_case(fn: Callable[[int], Any], calls: int, warm: int, proc: subproce
             "top_client": top(stats, calls), "top_sidecar": top(server_stats, calls)}
 
 
-def run_all(quick: bool, paths: set[str]) -> dict[str, Any]:
+def run_all(quick: bool, paths: set[str], serve_args: tuple[str, ...] = ()) -> dict[str, Any]:
     torch.set_num_threads(1)
     calls = {64 * KIB: 300 if quick else 2000, 2 * MIB: 100 if quick else 600}
     results: dict[str, Any] = {"kvstore": os.path.dirname(kvstore.__file__), "cases": {}}
@@ -319,7 +323,8 @@ def run_all(quick: bool, paths: set[str]) -> dict[str, Any]:
                 if "in-process" in paths:
                     todo += in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls[nbytes], closers)
                 if "sidecar" in paths:
-                    todo += sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls[nbytes], closers, procs)
+                    todo += sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls[nbytes], closers, procs,
+                                         serve_args)
             settle_collector()
             for name, job in tqdm(todo, desc="bench/profile_ops", unit="case", file=sys.stderr):
                 results["cases"][name] = job()
@@ -371,12 +376,13 @@ def in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls, closers) -
     return [(f"in-process store {label}", store_job), (f"in-process fetch {label}", fetch_job)]
 
 
-def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers, procs) -> list:
+def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers, procs, serve_args) -> list:
     from kvstore import KVStoreClient
 
     # One sidecar per value size: a CPU tier's freed slots serve only pages of their own size.
     prefix = str(tmp / f"profile-{nbytes}")
-    proc, url, _ = start_sidecar(tmp / f"sidecar-{nbytes}", TIER_BYTES, launch=LAUNCH_PROFILED, extra_args=(prefix,))
+    proc, url, _ = start_sidecar(tmp / f"sidecar-{nbytes}", TIER_BYTES, launch=LAUNCH_PROFILED, extra_args=(prefix,),
+                                 serve_args=serve_args)
     procs.append(proc)
     counter = [0]
     admin = KVStoreClient(url)
@@ -423,6 +429,7 @@ def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers,
 # ---- report --------------------------------------------------------------------------------
 
 GROUPS = ("in-process", "sidecar shm", "sidecar tcp")
+MAJOR_SHARE = 0.03
 
 
 def tables(runs: list[tuple[str, dict[str, Any]]]) -> str:
@@ -437,7 +444,13 @@ def tables(runs: list[tuple[str, dict[str, Any]]]) -> str:
             for n in names:
                 for c, us in run["cases"].get(n, {}).get("categories_us", {}).items():
                     categories[c] = categories.get(c, 0.0) + us
-        order = sorted(categories, key=lambda c: -categories[c])
+        # Categories under 3% of every call they appear in fold into one row, so the tables stay readable.
+        def major(c: str) -> bool:
+            return any(case.get("categories_us", {}).get(c, 0.0) >= MAJOR_SHARE * case["p50_us"]
+                       for _, run in runs for n in names for case in [run["cases"].get(n, {})] if case)
+
+        order = sorted((c for c in categories if major(c)), key=lambda c: -categories[c])
+        minor = [c for c in categories if c not in order]
         labels = " / ".join(label for label, _ in runs)
         head = [n[len(group) + 1:] for n in names]
         out.append(f"**{group}** (µs per call{', ' + labels if len(runs) > 1 else ''})\n")
@@ -454,6 +467,10 @@ def tables(runs: list[tuple[str, dict[str, Any]]]) -> str:
             out.append(f"| {c} | " + " | ".join(
                 cell(n, lambda case, c=c: case.get("categories_us", {}).get(c, 0.0) if case else None)
                 for n in names) + " |")
+        if minor:
+            out.append(f"| smaller categories ({len(minor)}) | " + " | ".join(
+                cell(n, lambda case: sum(case.get("categories_us", {}).get(c, 0.0) for c in minor) if case else None)
+                for n in names) + " |")
         if any("after_answer_us" in run["cases"].get(n, {}) for _, run in runs for n in names):
             out.append("| *sidecar, after the answer (policy learning, overlaps the next request; not in p50)* | "
                        + " | ".join(cell(n, lambda case: case.get("after_answer_us")) for n in names) + " |")
@@ -469,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="in-process,sidecar", help="in-process and/or sidecar")
     parser.add_argument("--before-site", metavar="DIR",
                         help="also run the cases with PYTHONPATH=DIR (older code) and print both")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="passed to this checkout's `kvstore serve` (repeatable): --serve-arg=--event-loop=asyncio")
     parser.add_argument("--json", metavar="FILE", help="write the results here")
     args = parser.parse_args(argv)
     paths = set(args.paths.split(","))
@@ -484,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                            stdout=subprocess.DEVNULL)
             runs.append(("before", json.loads(out.read_text())["this run"]))
     print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
-    runs.append(("after" if runs else "this run", run_all(args.quick, paths)))
+    runs.append(("after" if runs else "this run", run_all(args.quick, paths, tuple(args.serve_arg))))
     for label, run in runs:
         print(f"{label}: kvstore from {run['kvstore']}")
     print(tables(runs))
