@@ -60,6 +60,16 @@ class PageRecord:
     def num_tokens(self) -> int:
         return len(self.tokens) // 4
 
+    def with_payload(self, payload: Any) -> "PageRecord":
+        """This record carrying `payload`: the disk tier keeps each key's decoded header as a
+        record without payload and answers every read with a copy of it. Built field by field:
+        the frozen dataclass's __init__ (and `dataclasses.replace`) cost several times more."""
+        record = object.__new__(PageRecord)
+        fields = record.__dict__
+        fields.update(self.__dict__)
+        fields["payload"] = payload
+        return record
+
 
 class WriteTicket(threading.Event):
     """Set once a write is done or given up. `ok` is False when the tier knows the write failed

@@ -221,17 +221,17 @@ class DiskTier(RecordTier):
         if payload is None or len(payload) != header["size"] or payload_checksum(payload) != header["checksum"]:
             raise CorruptRecord("payload checksum mismatch")
         if header["comp"] == "zstd":
-            return header_to_record(header, zstandard.ZstdDecompressor().decompress(payload))
+            return head.with_payload(zstandard.ZstdDecompressor().decompress(payload))
         if landing is not None and landing.nbytes == len(payload) and landing.accepts(head):
             start = 0
             for chunk in landing.chunks:
                 end = start + len(chunk)
                 chunk[:] = payload[start:end]
                 start = end
-            return header_to_record(header, landing)
+            return head.with_payload(landing)
         copy = torch.empty(len(payload), dtype=torch.uint8)
         np.copyto(copy.numpy(), np.frombuffer(payload, dtype=np.uint8))
-        return header_to_record(header, copy)
+        return head.with_payload(copy)
 
     def _header(self, key: bytes, meta: memoryview) -> tuple[dict, PageRecord]:
         """The decoded header of `key` and its record (payload None). Decoding (crc32, msgpack,
