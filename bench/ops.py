@@ -3,6 +3,7 @@ caller's buffer, a disk-tier fetch, and the same through the sidecar, each besid
 same bytes and the cheapest store Python allows, measured interleaved in one run.
 
     python bench/ops.py [--quick] [--rounds 5] [--seconds 0.4] [--json FILE] [--paths ...] [--no-redis]
+                        [--before-site DIR]
 
 Every case is timed call by call (p50, p90) in rounds; in each round the case and its baselines
 run in alternating blocks of a few calls, so a burst of load on this shared machine hits all of
@@ -25,7 +26,8 @@ the collector is set as the README advises an embedder (`gc.freeze()`, threshold
 sidecar sets it itself.
 
 The kvstore measured is whichever `import kvstore` finds (printed first), so the same script
-gives before/after figures: `PYTHONPATH=/path/to/old/site python bench/ops.py`.
+gives before/after figures: `PYTHONPATH=/path/to/old/site python bench/ops.py`, or both in one
+command, `--before-site /path/to/old/site` (that run first, then this one, then one table of both).
 """
 from __future__ import annotations
 
@@ -532,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default="shm,tcp", help="sidecar transports: shm and/or tcp")
     parser.add_argument("--big-mib", type=int, default=64, help="size of the large fetch into= (MiB, >= 2)")
     parser.add_argument("--no-redis", action="store_true", help="no redis-py column on the sidecar rows")
+    parser.add_argument("--before-site", metavar="DIR",
+                        help="first run the same cases with PYTHONPATH=DIR (older code), then print both")
     parser.add_argument("--json", metavar="FILE", help="write the results here")
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
@@ -544,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--transports: expected shm and/or tcp, got {args.transports!r}")
     if args.big_mib < 2:
         parser.error("--big-mib: must be >= 2")
+    before = None
+    if args.before_site:
+        same = ["--rounds", str(rounds), "--seconds", str(seconds), "--paths", args.paths,
+                "--transports", args.transports, "--big-mib", str(args.big_mib)]
+        before = run_before(args.before_site, same + (["--no-redis"] if args.no_redis else []))
     print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
     torch.set_num_threads(1)
     procs: list[subprocess.Popen] = []
@@ -609,10 +618,43 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["note"]:
             print(f"- {r['name']}: {r['note']}")
+    result = {"kvstore": os.path.dirname(kvstore.__file__), "header": header, "rounds": rounds, "seconds": seconds,
+              "rows": rows}
+    if before is not None:
+        print(f"\nbefore (kvstore from {before['kvstore']}, run first) / after (this run):")
+        print(compare_table(before["rows"], rows))
+        result = {"before": before, "after": result}
     if args.json:
-        Path(args.json).write_text(json.dumps({"kvstore": os.path.dirname(kvstore.__file__), "header": header,
-                                               "rounds": rounds, "seconds": seconds, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def run_before(site: str, args: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvstore-ops-before-") as tmpdir:
+        out = Path(tmpdir) / "before.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *args, "--json", str(out)], check=True,
+                       env={**os.environ, "PYTHONPATH": site}, cwd=tmpdir, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def compare_table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """Each case's p50 and ratios as `before / after`, and its targets judged on the after run."""
+    old = {r["name"]: r for r in before}
+
+    def pair(name: str, key: str, fmt: str) -> str:
+        vals = [old.get(name, {}).get(key), next(r for r in after if r["name"] == name).get(key)]
+        return " / ".join("–" if v is None else format(v, fmt) for v in vals)
+
+    lines = ["| path | op | bytes | p50 µs | speed vs memcpy | cost vs dict | cost vs redis-py | target | after |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in after:
+        n = r["name"]
+        target = "; ".join(t["target"] for t in r["targets"]) or "–"
+        met = "; ".join(("met" if t["met"] else "missed") + f" ({t['value']:.2f})" for t in r["targets"]) or "–"
+        lines.append(f"| {r['path']} | {r['op']} | {size_name(r['bytes'])} | {pair(n, 'p50_us', ',.1f')} "
+                     f"| {pair(n, 'speed_vs_memcpy', '.2f')} | {pair(n, 'cost_vs_dict', '.1f')} "
+                     f"| {pair(n, 'cost_vs_redis', '.2f')} | {target} | {met} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
