@@ -113,7 +113,8 @@ class KVStoreClient:
                     arena.release(offset, wanted)
                     raise BackendUnavailable(f"{self.url}: fetch answered shm {placed!r}, "
                                              f"asked for ({offset}, {wanted})")
-                return self._fetch_result(model, obj, device, raw=arena.adopt(offset, wanted, placed["nbytes"]))
+                raw = arena.adopt(offset, wanted, placed["nbytes"], lambda array: codec.kv_array(array, obj))
+                return self._fetch_result(model, obj, device, raw=raw)
         answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start)])
         return self._fetch_result(model, answer, device)
 

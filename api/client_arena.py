@@ -26,9 +26,9 @@ import os
 import secrets
 import threading
 import weakref
+from typing import Callable
 
 import numpy as np
-import torch
 
 from kvstore.api.shared_memory import HEADER_BYTES, SECRET_BYTES
 
@@ -91,12 +91,20 @@ class ClientArena:
         """Bytes [offset, offset + nbytes) as a uint8 array viewing the shared memory."""
         return self._array[offset:offset + nbytes]
 
-    def adopt(self, offset: int, allocated: int, nbytes: int) -> torch.Tensor:
-        """A tensor over the first `nbytes` of a region allocated with `allocated` bytes; the
-        region is released when the last view of that tensor is gone."""
-        array = self._array[offset:offset + nbytes]  # a fresh array object: only this tensor holds it
+    def adopt(self, offset: int, allocated: int, nbytes: int,
+              typed: Callable[[np.ndarray], np.ndarray] = lambda array: array) -> np.ndarray:
+        """`typed(uint8 array over the first nbytes of a region allocated with allocated bytes)`;
+        the region is released when the last view of the array returned (a tensor made from it) is
+        gone. The finalizer sits on that very array: numpy points a view's `base` at the memory's
+        owner, not at the view it was made from, so a finalizer on an intermediate view would
+        release the region while the tensor still reads it."""
+        try:
+            array = typed(self._array[offset:offset + nbytes])  # a fresh array object: only its tensor holds it
+        except BaseException:  # an answer whose shape does not fit its bytes
+            self.release(offset, allocated)
+            raise
         weakref.finalize(array, self.release, offset, allocated)
-        return torch.from_numpy(array)
+        return array
 
     def close(self) -> None:
         """Unmap and close the memfd; the sidecar's mappings keep the memory until it drops them.

@@ -23,12 +23,13 @@ from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreErro
 from kvstore.keys import MAX_TOKEN_ID
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.store import MAX_TOKENS
-from kvstore.validation import token_bytes
+from kvstore.validation import SMALL_TOKEN_LIST, token_bytes
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+NUMPY_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}  # numpy has no bfloat16
 
 Parts = list[Any]  # bytes-like parts, sent back to back
 
@@ -45,8 +46,13 @@ def tokens_bin(tokens: Any) -> memoryview:
         raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {tokens.dtype} of shape {tokens.shape}",
                             field="tokens")
     value_bits = tokens.dtype.itemsize * 8 - (tokens.dtype.kind == "i")  # int32: 31, uint32: 32
-    # int32 and narrower cannot go past the top of the range: one reduction per call, not two.
-    if tokens.size and (int(tokens.min()) < 0 or (value_bits > 31 and int(tokens.max()) > MAX_TOKEN_ID)):
+    if tokens.size <= SMALL_TOKEN_LIST:  # numpy's reductions cost more than boxing a few ids
+        ids = tokens.tolist()
+        lowest, highest = (min(ids), max(ids)) if ids else (0, 0)
+    else:  # int32 and narrower cannot go past the top of the range: one reduction, not two
+        lowest = int(tokens.min()) if tokens.size else 0
+        highest = int(tokens.max()) if tokens.size and value_bits > 31 else 0
+    if lowest < 0 or highest > MAX_TOKEN_ID:
         raise InvalidTokens(f"tokens: ids must be in [0, {MAX_TOKEN_ID}]", field="tokens")
     return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
 
@@ -143,18 +149,26 @@ def store_result(obj: dict[str, Any]) -> StoreResult:
     return StoreResult(stored_tokens=obj["stored_tokens"], new_pages=obj["new_pages"])
 
 
+def kv_array(array: np.ndarray, obj: dict[str, Any]) -> np.ndarray:
+    """The uint8 `array` of a fetch answer's kv typed and shaped (L, 2, T, H, D) by numpy, where
+    numpy has the dtype (not bfloat16: then `array` as it is). One numpy view and no torch call:
+    torch's views cost several times numpy's."""
+    np_dtype = NUMPY_DTYPES.get(obj["dtype"])
+    return array if np_dtype is None else array.view(np_dtype).reshape(obj["shape"])
+
+
 def fetch_result(obj: dict[str, Any], device: str = "cpu", raw: Any = None) -> FetchResult:
-    """`raw`: the answer's KV bytes when they came another way than the body (shared memory)."""
+    """`raw`: the answer's KV when it came another way than the body (shared memory: an array,
+    `kv_array`'s already)."""
     raw = obj.get("kv") if raw is None else raw
     if raw is None:
         return FetchResult(matched_tokens=obj["matched_tokens"], kv=None)
-    dtype, shape = TORCH_DTYPES[obj["dtype"]], tuple(obj["shape"])
-    # A view of the response buffer: the one copy of the fetch path was the socket read.
-    if isinstance(raw, torch.Tensor):  # uint8 over shared memory (api/client_arena.py)
-        kv = raw.view(dtype)
-    else:
-        kv = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
-    kv = kv.view(shape)  # (L, 2, T, H, D)
+    # A view of the response buffer (the one copy of the fetch path was the socket read) or of
+    # the client's shared memory (api/client_arena.py).
+    array = raw if isinstance(raw, np.ndarray) else kv_array(np.frombuffer(raw, dtype=np.uint8), obj)
+    kv = torch.from_numpy(array)
+    if array.dtype == np.uint8:  # bfloat16: typed by torch
+        kv = kv.view(TORCH_DTYPES[obj["dtype"]]).view(tuple(obj["shape"]))
     return FetchResult(matched_tokens=obj["matched_tokens"], kv=kv if device == "cpu" else kv.to(device))
 
 

@@ -124,13 +124,12 @@ class Connection:
         return self._take(newline + 1 - self._pos)
 
     def _read_exact(self, nbytes: int) -> bytes | memoryview:
-        buffered = self._end - self._pos
-        if nbytes <= buffered:  # a small answer: it came with its head
-            return self._take(nbytes)
-        if nbytes <= _SMALL_BODY_BYTES:  # an answer without kv (or a shared-memory one)
+        if nbytes <= _SMALL_BODY_BYTES:  # an answer without kv (or a shared-memory one): usually here already
             while self._end - self._pos < nbytes:
                 self._fill()
             return self._take(nbytes)
+        # A large body is always its own writable buffer (its kv is viewed in place, as a tensor).
+        buffered = self._end - self._pos
         # Unzeroed (and in huge pages when large): a zero-filled bytearray page-faulted once per
         # 4 KiB before the first byte arrived, a third of a 2 MiB fetch's time on loopback.
         view = empty_host_bytes(nbytes).data

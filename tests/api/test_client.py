@@ -32,6 +32,31 @@ def test_sync_client_mirrors_the_store(live_server, store, spec: ModelSpec):
         assert client.drop_model("m") == 3
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+def test_every_kv_dtype_comes_back_bit_exact_and_shaped(live_server, dtype: str, shared_memory: bool):
+    spec = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, page_size=4)
+    kv = random_kv(spec, 10, seed=7)
+    with KVStoreClient(live_server.url, shared_memory_bytes=None if shared_memory else 0) as client:
+        client.register_model("m", spec)
+        client.store("m", list(range(10)), kv)
+        client.fetch("m", list(range(10)))  # teaches the client the model's bytes per token
+        fetched = client.fetch("m", list(range(10)), start=3)
+        assert fetched.kv.dtype == kv.dtype and fetched.kv.shape == kv[:, :, 3:].shape
+        assert torch.equal(fetched.kv.view(torch.uint8), kv[:, :, 3:].contiguous().view(torch.uint8))
+        arena = client._arena
+        assert (arena is not None) == shared_memory
+        if arena is not None:  # the tensor views shared memory, whose region is held until the tensor is gone
+            base = arena.view(0, 1).ctypes.data
+            assert base <= fetched.kv.data_ptr() < base + arena.nbytes
+            held = arena.free_bytes()
+            kept = fetched.kv[0]  # a view of the tensor keeps the region too
+            del fetched
+            assert arena.free_bytes() == held and torch.equal(kept, kv[0, :, 3:])
+            del kept
+            assert arena.free_bytes() > held
+
+
 def test_sync_client_extends_with_start_and_reuses_its_connection(live_server, spec: ModelSpec):
     with KVStoreClient(live_server.url) as client:
         client.register_model("m", spec)
