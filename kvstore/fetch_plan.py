@@ -166,7 +166,8 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
         match = state.index.match(root_key, tb, spec.page_size)
         if memory_only_max_bytes is not None and (
                 (match.matched_tokens - start) * spec.bytes_per_token > memory_only_max_bytes
-                or any(not tiers.keeps_slots(tiers.source_tier(node)) for node in match.path)):
+                or not tiers.memory_only
+                and any(not tiers.keeps_slots(tiers.source_tier(node)) for node in match.path)):
             return None
         requested = len(tb) // TOKEN_BYTES
         if count:

@@ -19,6 +19,7 @@ CacheBlend), hold no page and are never evicted. This module imports no torch, l
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from os.path import commonprefix
 
@@ -28,7 +29,7 @@ TOKEN_BYTES = 4  # tokens are kept as int32 little-endian bytes
 
 
 class Node:
-    __slots__ = ("key", "parent", "tokens", "children", "by_first", "tiers", "tier_kids", "pins",
+    __slots__ = ("key", "parent", "tokens", "children", "by_tokens", "kid_tokens", "tiers", "tier_kids", "pins",
                  "ready", "last_access", "hits", "namespace", "depth", "tail", "root", "__weakref__")
 
     def __init__(self, key: bytes, parent: "Node | None", tokens: bytes, namespace: bytes):
@@ -36,7 +37,11 @@ class Node:
         self.parent = parent
         self.tokens = tokens  # int32 LE bytes of this page's tokens
         self.children: dict[bytes, Node] = {}
-        self.by_first: dict[bytes, list[Node]] = {}  # first token (4 bytes) -> children
+        self.by_tokens: dict[bytes, Node] = {}  # a child's tokens -> the child (siblings' tokens differ)
+        # The children's tokens in byte order: the child sharing the longest run with some
+        # tokens is next to where they would sort, so a partial match costs a binary search,
+        # not a scan of every child (a root's children all start with the same BOS token).
+        self.kid_tokens: list[bytes] = []
         self.tiers: dict[str, int] = {}  # tier name -> bytes this page takes there
         self.tier_kids: dict[str, int] = {}  # tier name -> children held in that tier
         self.pins = 0  # > 0: a fetch or store is using the page; it is never evicted
@@ -116,19 +121,53 @@ class PageIndex:
             offset += page_bytes
         # The first page that did not match: reuse the longest common run with any child
         # (a tail page, or a full page that diverges or is longer than what is left).
-        if offset < total and node.by_first:
-            rest = tokens[offset:offset + page_bytes]
-            best, best_len = None, 0
-            for child in node.by_first.get(rest[:TOKEN_BYTES], ()):
-                if not child.ready:
-                    continue
-                common = len(commonprefix([child.tokens, rest])) // TOKEN_BYTES * TOKEN_BYTES
-                if common > best_len:
-                    best, best_len = child, common
+        if offset < total and node.kid_tokens:
+            best, best_bytes = self.longest_child(node, tokens[offset:offset + page_bytes])
             if best is not None:
                 path.append(best)
-                offset += best_len
+                offset += best_bytes
         return Match(root, path, offset // TOKEN_BYTES)
+
+    @staticmethod
+    def longest_child(node: Node, tokens: bytes) -> tuple[Node | None, int]:
+        """The ready child of `node` whose tokens share the longest run of whole tokens with
+        `tokens` (at most a page), and that run's length in bytes; (None, 0) if none shares one.
+
+        In byte order, the run two strings share shrinks with their distance, so the best
+        child is the nearest ready one on either side of where `tokens` would sort."""
+        kids, by_tokens = node.kid_tokens, node.by_tokens
+        at = bisect_left(kids, tokens)
+        best, best_bytes = None, 0
+        for side in (range(at, len(kids)), range(at - 1, -1, -1)):
+            for i in side:
+                child = by_tokens[kids[i]]
+                common = len(commonprefix([kids[i], tokens])) // TOKEN_BYTES * TOKEN_BYTES
+                if common <= best_bytes:
+                    break  # only shorter runs lie further out
+                if child.ready:
+                    best, best_bytes = child, common
+                    break
+        return best, best_bytes
+
+    @staticmethod
+    def children_extending(node: Node, tokens: bytes) -> list[Node]:
+        """`node`'s children whose tokens start with `tokens` (one of them may equal them)."""
+        kids, by_tokens = node.kid_tokens, node.by_tokens
+        out = []
+        for i in range(bisect_left(kids, tokens), len(kids)):
+            if not kids[i].startswith(tokens):
+                break  # the ones that start with `tokens` sort together, right after it
+            out.append(by_tokens[kids[i]])
+        return out
+
+    @staticmethod
+    def children_prefixing(node: Node, tokens: bytes) -> list[Node]:
+        """`node`'s children whose tokens are a proper prefix of `tokens` (shorter tails)."""
+        by_tokens = node.by_tokens
+        if len(by_tokens) * TOKEN_BYTES <= len(tokens):  # few children: look at each
+            return [kid for t, kid in by_tokens.items() if len(t) < len(tokens) and tokens.startswith(t)]
+        found = (by_tokens.get(tokens[:end]) for end in range(TOKEN_BYTES, len(tokens), TOKEN_BYTES))
+        return [kid for kid in found if kid is not None]
 
     def insert(self, parent: Node, key: bytes, tokens: bytes, *, tail: bool = False) -> Node:
         """Add a page under `parent` (not yet ready: the caller marks it ready once written).
@@ -140,7 +179,10 @@ class PageIndex:
         node.tail = tail
         self.nodes[key] = node
         parent.children[key] = node
-        parent.by_first.setdefault(tokens[:TOKEN_BYTES], []).append(node)
+        assert tokens not in parent.by_tokens, "two siblings with the same tokens"
+        parent.by_tokens[tokens] = node
+        kids = parent.kid_tokens
+        kids.insert(bisect_left(kids, tokens), tokens)
         return node
 
     def unlink(self, node: Node) -> None:
@@ -151,10 +193,9 @@ class PageIndex:
         parent = node.parent
         if parent is not None:
             del parent.children[node.key]
-            siblings = parent.by_first[node.tokens[:TOKEN_BYTES]]
-            siblings.remove(node)
-            if not siblings:
-                del parent.by_first[node.tokens[:TOKEN_BYTES]]
+            del parent.by_tokens[node.tokens]
+            kids = parent.kid_tokens
+            del kids[bisect_left(kids, node.tokens)]
             if parent.is_root and not parent.children:
                 self.roots.pop(parent.key, None)
 

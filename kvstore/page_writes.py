@@ -25,7 +25,7 @@ import torch
 from kvstore.config import ModelSpec
 from kvstore.copy import host_array
 from kvstore.errors import InsufficientStorage
-from kvstore.index import TOKEN_BYTES, Node
+from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
 from kvstore.results import FetchResult, StoreResult
 from kvstore.store_state import StoreState
@@ -136,8 +136,8 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
 
 def covering_sibling(parent: Node, ptoks: bytes) -> Node | None:
     """A cached sibling whose tokens start with this tail page's: it already serves them."""
-    for sibling in parent.by_first.get(ptoks[:TOKEN_BYTES], ()):
-        if sibling.ready and len(sibling.tokens) > len(ptoks) and sibling.tokens.startswith(ptoks):
+    for sibling in PageIndex.children_extending(parent, ptoks):
+        if sibling.ready and len(sibling.tokens) > len(ptoks):
             return sibling
     return None
 
@@ -146,7 +146,6 @@ def drop_shadowed_tails(state: StoreState, node: Node) -> None:
     """A new page makes shorter sibling tail pages it extends redundant: drop them (under the lock)."""
     parent = node.parent
     assert parent is not None
-    for sibling in list(parent.by_first.get(node.tokens[:TOKEN_BYTES], ())):
-        if sibling is not node and len(sibling.tokens) < len(node.tokens) and not sibling.pins \
-                and not sibling.children and node.tokens.startswith(sibling.tokens):
+    for sibling in PageIndex.children_prefixing(parent, node.tokens):
+        if not sibling.pins and not sibling.children:
             state.placement.drop(sibling)

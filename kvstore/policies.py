@@ -28,7 +28,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvstore.index import Node
-from kvstore.shadow import ShadowCache, in_sample, sample_rate
+from kvstore.shadow import ShadowCache, sample_rate
 
 
 class EvictionPolicy:
@@ -290,6 +290,15 @@ class DuelPolicy(EvictionPolicy):
         self.rate = 1  # 1/rate of the keys go through the shadows
         # (key, parent key, tail, last access, tick) of references not yet through the shadows
         self.pending: list[tuple[bytes, bytes | None, bool, int, int]] | None = None
+        # A touch changes only the rankings that rank on it (not those that touch in place):
+        # a fetch touches every page it serves, so the others are not called at all.
+        self._touched = [r for r in self.rankings if not r.touch_in_place or type(r).touch is not EvictionPolicy.touch]
+        self._shadow_size()
+
+    def _shadow_size(self) -> None:
+        """The shadows' capacity and the scores' decay, for the current capacity and rate."""
+        self._capacity = max(1, self.capacity_pages // self.rate)
+        self._keep = 1.0 - 1.0 / (self.HORIZON_TURNOVERS * self._capacity)
 
     def __len__(self) -> int:
         return len(self.rankings[0])
@@ -311,7 +320,7 @@ class DuelPolicy(EvictionPolicy):
                 self._replay(*reference)
 
     def _reference(self, node: Node) -> None:
-        if not in_sample(node.key, self.rate):
+        if node.key[-1] % self.rate:  # in_sample, inline: this runs for every page a request uses
             return
         parent = node.parent
         # What the shadows read of the node now: by `catch_up` it may have been touched again.
@@ -325,8 +334,7 @@ class DuelPolicy(EvictionPolicy):
             self.catch_up()
 
     def _replay(self, key: bytes, parent_key: bytes | None, tail: bool, last_access: int, tick: int) -> None:
-        capacity = max(1, self.capacity_pages // self.rate)
-        keep = 1.0 - 1.0 / (self.HORIZON_TURNOVERS * capacity)
+        capacity, keep = self._capacity, self._keep
         scores = self.scores
         for i, shadow in enumerate(self.shadows):
             scores[i] = (scores[i] + shadow.reference(key, parent_key, tail, last_access, tick, capacity)) * keep
@@ -343,10 +351,11 @@ class DuelPolicy(EvictionPolicy):
         if len(self) > self.capacity_pages:
             self.capacity_pages = len(self)
             self.rate = sample_rate(self.capacity_pages, self.SAMPLE)
+            self._shadow_size()
         self._reference(node)
 
     def touch(self, node: Node) -> None:
-        for ranking in self.rankings:
+        for ranking in self._touched:
             ranking.touch(node)
         self._reference(node)
 

@@ -42,8 +42,9 @@ def probe_shared(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes)
         node = state.index.roots.get(root_key)
         while node is not None and (full + 1) * P <= n_tokens:
             ptoks = tb[full * page_bytes:(full + 1) * page_bytes]
-            node = next((child for child in node.by_first.get(ptoks[:TOKEN_BYTES], ())
-                         if child.ready and child.tokens == ptoks), None)
+            node = node.by_tokens.get(ptoks)
+            if node is not None and not node.ready:
+                node = None
             if node is not None:
                 full += 1
                 anchor = node.key
