@@ -138,17 +138,36 @@ def unpack_map(body: bytes | bytearray | memoryview, max_depth: int | None = Non
     if max_depth is not None and max_depth < 1:
         raise _too_deep(0, max_depth)
     out: dict[str, Any] = {}
+    size = len(buf)
     for _ in range(count):
-        end = _skip(buf, pos, max_depth, level=2)  # keys and values sit inside the body's map
-        key = _unpack(buf[pos:end])
-        if not isinstance(key, str):
-            raise FramingError(f"map keys must be strings, got {reprlib.repr(key)}")
-        pos, end = end, _skip(buf, end, max_depth, level=2)
+        if pos >= size:
+            raise FramingError("truncated msgpack data")
+        t = buf[pos]
+        if 0xA0 <= t <= 0xBF:  # a short str, as every field name is: read here, not walked
+            end = pos + 1 + (t & 0x1F)
+            if end > size:
+                raise FramingError("truncated msgpack data")
+            key = _utf8(buf[pos + 1:end])
+        else:
+            end = _skip(buf, pos, max_depth, level=2)  # keys and values sit inside the body's map
+            key = _unpack(buf[pos:end])
+            if not isinstance(key, str):
+                raise FramingError(f"map keys must be strings, got {reprlib.repr(key)}")
+        pos = end
+        if pos >= size:
+            raise FramingError("truncated msgpack data")
         t = buf[pos]
         if t in _BIN:
             width, _ = _BIN[t]
+            end = pos + 1 + width + _uint(buf, pos + 1, width)
+            if end > size:
+                raise FramingError("truncated msgpack data")
             out[key] = buf[pos + 1 + width:end]
+        elif t <= 0x7F:  # a positive fixint
+            end = pos + 1
+            out[key] = t
         else:
+            end = _skip(buf, pos, max_depth, level=2)
             out[key] = _unpack(buf[pos:end])
         pos = end
     if pos != len(buf):
@@ -191,6 +210,13 @@ def _unpack_small(buf: memoryview, max_depth: int | None) -> dict[str, Any]:
             raise FramingError(f"map keys must be strings, got {reprlib.repr(key)}")
         out[key] = memoryview(bytearray(value)) if isinstance(value, bytes) else value
     return out
+
+
+def _utf8(data: memoryview) -> str:
+    try:
+        return str(data, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise FramingError(f"malformed msgpack: {exc}") from None
 
 
 def _unpack(data: memoryview) -> Any:
