@@ -11,8 +11,8 @@ that is set once the record is committed (write-through waits for it).
 
 Reads: one read transaction per batch of keys (`read_ahead`), with `buffers=True`, so a value is
 a view into the map and a payload is copied once, out of the map into where the caller keeps it
-(a fetch answer's slices, `landings`, or a fresh tensor), after its checksum is verified over
-that same view. A header is decoded once per key and the bytes it was decoded from (`_header`).
+(a fetch answer's slices, `landings`, or a fresh tensor), and its checksum is verified over that
+copy, while it is in cache. A header is decoded once per key and the bytes it was decoded from (`_header`).
 
 What the tier does not do: decide capacity or eviction (the store's placement does); a write
 that still fails at the largest map size is reported through `take_failed()` so the store can
@@ -35,7 +35,7 @@ import zstandard
 from kvstore.tiers.base import PageRecord, RecordTier, WriteTicket
 from kvstore.tiers.disk_open import open_environment
 from kvstore.tiers.disk_record import (CorruptRecord, decode_header, encode_header, header_to_record,
-                               payload_checksum)
+                                      payload_checksum, payload_digest)
 
 if TYPE_CHECKING:
     from kvstore.config import StoreConfig
@@ -168,9 +168,9 @@ class DiskTier(RecordTier):
                    landings: Mapping[bytes, Landing] | None = None) -> Iterator[dict[bytes, PageRecord | None]]:
         """The records of each batch, one read transaction per batch. A key of `landings` whose
         record is intact, uncompressed, sized for its chunks and accepted gets its payload copied
-        straight out of the map into them (its record's payload is then that Landing); the
-        checksum is verified before that copy, so the chunks of a key that comes back otherwise
-        are left as they were."""
+        straight out of the map into them (its record's payload is then that Landing). As with
+        Redis, the chunks of a key that comes back otherwise may hold garbage (a payload that
+        failed its checksum there): the caller serves nothing from them."""
         for batch in batches:
             yield self._read_batch(batch, landings)
 
@@ -212,25 +212,36 @@ class DiskTier(RecordTier):
         return records
 
     def _read(self, txn: lmdb.Transaction, key: bytes, landing: Landing | None) -> PageRecord | None:
-        """One record out of a read transaction with buffers; raises CorruptRecord."""
+        """One record out of a read transaction with buffers; raises CorruptRecord. An
+        uncompressed payload is checksummed where it was copied to, piece by piece as each lands
+        (in cache then; the map's bytes are read once): the bytes verified are the bytes served."""
         meta = txn.get(key, db=self._meta)
         if meta is None:
             return None
         payload = txn.get(key, db=self._data)
         header, head = self._header(key, meta)
-        if payload is None or len(payload) != header["size"] or payload_checksum(payload) != header["checksum"]:
-            raise CorruptRecord("payload checksum mismatch")
+        if payload is None or len(payload) != header["size"]:
+            raise CorruptRecord("payload size mismatch")
         if header["comp"] == "zstd":
+            if payload_checksum(payload) != header["checksum"]:
+                raise CorruptRecord("payload checksum mismatch")
             return head.with_payload(zstandard.ZstdDecompressor().decompress(payload))
         if landing is not None and landing.nbytes == len(payload) and landing.accepts(head):
+            digest = payload_digest()
             start = 0
             for chunk in landing.chunks:
                 end = start + len(chunk)
                 chunk[:] = payload[start:end]
+                digest.update(chunk)
                 start = end
+            if digest.intdigest() != header["checksum"]:
+                raise CorruptRecord("payload checksum mismatch")
             return head.with_payload(landing)
         copy = torch.empty(len(payload), dtype=torch.uint8)
-        np.copyto(copy.numpy(), np.frombuffer(payload, dtype=np.uint8))
+        copied = copy.numpy()
+        np.copyto(copied, np.frombuffer(payload, dtype=np.uint8))
+        if payload_checksum(copied) != header["checksum"]:
+            raise CorruptRecord("payload checksum mismatch")
         return head.with_payload(copy)
 
     def _header(self, key: bytes, meta: memoryview) -> tuple[dict, PageRecord]:

@@ -33,6 +33,12 @@ def payload_checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def payload_digest() -> xxhash.xxh3_64:
+    """The streaming form of `payload_checksum`: `update` it piece by piece, in order; its
+    `intdigest()` is the same checksum."""
+    return xxhash.xxh3_64()
+
+
 def encode_header(record: PageRecord, *, compression: str, stored_payload) -> bytes:
     header = msgpack.packb({
         "v": FORMAT_VERSION, "ns": record.namespace, "key": record.key, "parent": record.parent,
