@@ -186,12 +186,12 @@ class DiskTier(RecordTier):
                 else:
                     records[key] = None if pending is _DELETE else pending  # type: ignore[assignment]
         bad: list[tuple[bytes, str]] = []
+        txn: lmdb.Transaction | None = None
         self._rw.acquire_read()
         try:
             # buffers=True: values are views into the map, valid until the transaction ends; every
             # byte a caller keeps is copied out of them (into its landing or a fresh tensor) first.
-            txn = None
-            for i, key in enumerate(to_read):
+            for key in to_read:
                 try:
                     if txn is None:
                         txn = self.env.begin(buffers=True)
@@ -203,9 +203,9 @@ class DiskTier(RecordTier):
                     if txn is not None:
                         txn.abort()  # it may be unusable now: the next key gets a fresh one
                         txn = None
+        finally:
             if txn is not None:
                 txn.abort()
-        finally:
             self._rw.release_read()
         for key, why in bad:  # after the lock: a delete may wait on the writer, which may wait on it
             self._corrupt(key, why)
