@@ -1,0 +1,98 @@
+"""Cost of a lookup miss, a partial hit and a tail-page store as the store fills with prompts that
+all begin with the same token (BOS), as every prompt of a real engine does.
+
+    python bench/prefix_scale.py [--sizes 1000,10000,50000] [--json out.json]
+
+Each prompt is BOS + 39 random ids (two full 16-token pages and a 7-token tail). Per size, the
+store is filled to that many prompts, then timed: a lookup whose first page misses inside its
+BOS-led first page (the partial-match search), a lookup that hits 20 tokens, and a store of a new
+prompt. Figures are µs per call (medians of repeats) and the ratio to the smallest size: a flat
+ratio means the cost does not grow with what the store holds. Run against older code with
+`PYTHONPATH=<an importable copy of it>`: the repository root is put on sys.path only when
+`kvstore` is not importable already.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+if importlib.util.find_spec("kvstore") is None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
+
+SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", page_size=16)
+BOS = 1
+PROMPT_TOKENS = 40
+
+
+def prompt(rng: random.Random) -> list[int]:
+    return [BOS] + [rng.randrange(2, 50_000) for _ in range(PROMPT_TOKENS - 1)]
+
+
+def per_call_us(fn, calls: int, repeat: int) -> float:
+    """Median over `repeat` runs of the mean µs per call of `calls` calls (fn takes the call's index)."""
+    runs = []
+    for r in range(repeat):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(r * calls + i)
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def measure(size: int, calls: int, repeat: int, rng: random.Random) -> dict[str, float]:
+    kv = torch.zeros(SPEC.kv_shape(PROMPT_TOKENS), dtype=torch.float16)
+    with tempfile.TemporaryDirectory() as data_dir, \
+            KVStore(StoreConfig(data_dir=data_dir, cpu_bytes=1 << 30, disk_bytes=0)) as store:
+        store.register_model("m", SPEC)
+        stored = []
+        for _ in tqdm(range(size), desc=f"fill {size}", leave=False):
+            stored.append(prompt(rng))
+            store.store("m", stored[-1], kv)
+        misses = [prompt(rng) for _ in range(calls * repeat)]
+        hits = [rng.choice(stored)[:20] + prompt(rng)[20:] for _ in range(calls * repeat)]
+        fresh = [prompt(rng) for _ in range(calls * repeat)]
+        return {
+            "lookup_miss_us": per_call_us(lambda i: store.lookup("m", misses[i]), calls, repeat),
+            "lookup_partial_hit_us": per_call_us(lambda i: store.lookup("m", hits[i]), calls, repeat),
+            "store_new_prompt_us": per_call_us(lambda i: store.store("m", fresh[i], kv), calls, repeat),
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1000,10000,50000", help="prompts stored before timing")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rng = random.Random(0)
+    rows = {size: measure(size, args.calls, args.repeat, rng) for size in tqdm(sizes, desc="sizes")}
+    first = rows[sizes[0]]
+    print(f"kvstore from {os.path.dirname(sys.modules['kvstore'].__file__)}")
+    print("| prompts stored (all BOS-led) | lookup miss µs | lookup, 20-token hit µs | store of a new prompt µs |")
+    print("|---|---|---|---|")
+    for size, row in rows.items():
+        cells = [f"{row[k]:.1f} ({row[k] / first[k]:.2f}×)" for k in
+                 ("lookup_miss_us", "lookup_partial_hit_us", "store_new_prompt_us")]
+        print(f"| {size:,} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sizes": sizes, "rows": {str(k): v for k, v in rows.items()}}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
