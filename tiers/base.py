@@ -14,8 +14,9 @@ them apart by `keeps_slots`, never by a tier's name:
 
 What else a tier is to the store is a class attribute, not a name: `persistent` (the index is
 rebuilt from it at start, close saves memory-only pages to it, write-through writes it),
-`shared` (other sidecars write it: lookups probe it), `batched_reads` (it reads many pages per
-round trip and can land payloads in the caller's buffers). Adding a tier is one module with a
+`shared` (other sidecars write it: lookups probe it), `batched_reads` (it reads a batch of pages
+at a time, Redis in one round trip, disk in one read transaction, and can land payloads in the
+caller's buffers). Adding a tier is one module with a
 subclass of `SlotTier` or `RecordTier` (and a `from_config`), and one entry in the stack's
 `TIER_TYPES`.
 """
@@ -176,8 +177,11 @@ class RecordTier(Tier):
     def read_ahead(self, batches: list[list[bytes]],
                    landings: Mapping[bytes, Any] | None = None) -> Iterator[dict[bytes, PageRecord | None]]:
         """The records of each batch of keys, {key: record}, in order, read as the caller asks
-        for them. A `batched_reads` tier reads a batch per round trip and may land payloads in
-        `landings` (tiers/redis_landing.py); this default reads one key a call."""
+        for them. A `batched_reads` tier reads a batch at a time (Redis: a round trip; disk: a
+        read transaction) and may land payloads in `landings` (tiers/redis_landing.py): the
+        payload of a record returned with its Landing is in the landing's chunks, checksum
+        verified; the chunks of any other key may hold garbage. This default reads one key a
+        call."""
         for batch in batches:
             yield {key: self.get(key) for key in batch}
 
