@@ -55,7 +55,12 @@ def open_environment(path: str, map_bytes: int, *, sync: bool, max_readers: int 
 
 def check_in_child(path: str) -> str | None:
     """None if the environment opens and every B-tree page reads; else what went wrong."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The child imports the kvstore this process runs: put the folder that holds the `kvstore`
+    # package first on its path (site-packages when installed, the checkout when editable), never
+    # the package folder itself, whose copy.py would shadow the standard library's.
+    import kvstore
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvstore.__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         proc = subprocess.run([sys.executable, "-m", "kvstore.tiers.disk_open", path], capture_output=True, text=True,
