@@ -36,8 +36,10 @@ register their shared memory again) when a kept-alive connection turns out close
 """
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import re
+import sys
 import time
 from typing import Any, Awaitable, Callable
 
@@ -48,6 +50,7 @@ from kvstore.api import handlers, wire
 from kvstore.api.auth import PROTECTED_PREFIX, bearer_tenant
 from kvstore.api.catch_up import CATCH_UP
 from kvstore.api.context import AUTH, CONFIG
+from kvstore.api.event_loop import loop_name
 from kvstore.api.framing import SMALL_BODY_BYTES, pack_map_prefix
 from kvstore.api.metrics import METRICS
 from kvstore.fetch_plan import FetchPlan
@@ -102,6 +105,15 @@ class FastPath:
         # Heads this path took, by their bytes (`_take_head`); only taken ones, so a refused
         # token is checked again every time.
         self._heads: dict[bytes, tuple[bytes, Route, int, str | None]] = {}
+        self._vectored: bool | None = None  # known once a loop runs (`vectored_writes`)
+
+    def vectored_writes(self) -> bool:
+        """Whether the loop's `writelines` sends its parts in one vectored write without joining
+        them (uvloop, and asyncio from 3.12); else an answer's head and kv go as two writes, and
+        the client may wake for the head alone."""
+        if self._vectored is None:
+            self._vectored = sys.version_info >= (3, 12) or loop_name(asyncio.get_running_loop()) == "uvloop"
+        return self._vectored
 
     def lane(self, transport: Any) -> "Lane":
         lane = self.lanes[transport] = Lane(self, transport)
@@ -234,8 +246,13 @@ class Lane:
             return False
         if answer is None:
             return False
-        for part in answer:  # not writelines: asyncio's (before 3.12) joins the parts, a copy of the kv
-            self.transport.write(part)
+        if len(answer) == 1:
+            self.transport.write(answer[0])
+        elif self.fast.vectored_writes():  # head and kv in one send: the client wakes once, to all of it
+            self.transport.writelines(answer)
+        else:  # asyncio's writelines before 3.12 joins the parts, a copy of the kv
+            for part in answer:
+                self.transport.write(part)
         self.fast.catch_up.soon()  # the policy learns from it now that the answer is out
         return True
 
