@@ -173,7 +173,7 @@ class TwoSegmentPolicy(EvictionPolicy):
         if segment is self.probation and node.hits:
             self.probation.remove(node)  # served: off probation
             self._admit(node, self.protected)
-        elif segment is not None:
+        elif segment is not None and not segment.touch_in_place:  # in place: nothing to do
             segment.touch(node)
 
     def update(self, node: Node) -> None:
