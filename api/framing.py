@@ -204,12 +204,12 @@ def _unpack_small(buf: memoryview, max_depth: int | None) -> dict[str, Any]:
     # No more containers than levels (a lookup's map and its token array): nothing to measure.
     if max_depth is not None and containers[0] > max_depth and value_too_deep(obj, max_depth):
         raise FramingError(f"nested deeper than {max_depth} levels; no request field nests that deep")
-    out: dict[str, Any] = {}
-    for key, value in obj.items():
-        if not isinstance(key, str):
+    for key, value in obj.items():  # values replaced in place: the map's size never changes
+        if type(key) is not str:
             raise FramingError(f"map keys must be strings, got {reprlib.repr(key)}")
-        out[key] = memoryview(bytearray(value)) if isinstance(value, bytes) else value
-    return out
+        if type(value) is bytes:
+            obj[key] = memoryview(bytearray(value))
+    return obj
 
 
 def _utf8(data: memoryview) -> str:

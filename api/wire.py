@@ -305,7 +305,10 @@ def kv_payload(kv: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
     contiguous is copied here."""
     if kv is None:
         return {"kv": None}, None
-    raw = kv.contiguous().view(-1).view(torch.uint8).numpy()  # flat bytes of (L, 2, T, H, D)
+    if kv.dtype != torch.bfloat16 and kv.is_contiguous():  # viewed by numpy: several times cheaper than torch's views
+        raw = kv.numpy().reshape(-1).view(np.uint8)  # flat bytes of (L, 2, T, H, D)
+    else:  # numpy has no bfloat16; a strided kv is copied
+        raw = kv.contiguous().view(-1).view(torch.uint8).numpy()
     return {"dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape)}, raw
 
 
