@@ -94,7 +94,8 @@ class Connection:
         scanned = self._pos
         while True:
             crlf = self._buf.find(b"\n\r\n", scanned, self._end)
-            lf = self._buf.find(b"\n\n", scanned, self._end)
+            # Only before a CRLF end can a bare-LF one come first: never scan a body behind the head.
+            lf = self._buf.find(b"\n\n", scanned, crlf + 1 if crlf >= 0 else self._end)
             if crlf >= 0 or lf >= 0:
                 end = min(crlf + 3 if crlf >= 0 else 1 << 62, lf + 2 if lf >= 0 else 1 << 62)
                 break

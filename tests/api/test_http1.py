@@ -29,17 +29,19 @@ def _serve_once(pieces: list[bytes]) -> tuple[str, int]:
     return listener.getsockname()
 
 
-@pytest.mark.parametrize("pieces", [
-    [b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 3\r\n\r\nabc"],
-    [b"HTTP/1.1 200 OK\r\nContent-Ty", b"pe: application/msgpack\r\nContent-Length: 3\r\n", b"\r\nabc"],
-    [b"HTTP/1.1 200 OK\nContent-Type: application/msgpack\nContent-Length: 3\n\nabc"],
-], ids=["one-piece", "split", "bare-lf"])
-def test_an_answer_head_is_read_however_it_arrives(pieces: list[bytes]) -> None:
+@pytest.mark.parametrize("pieces, body", [
+    ([b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 3\r\n\r\nabc"], b"abc"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Ty", b"pe: application/msgpack\r\nContent-Length: 3\r\n", b"\r\nabc"], b"abc"),
+    ([b"HTTP/1.1 200 OK\nContent-Type: application/msgpack\nContent-Length: 3\n\nabc"], b"abc"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 3\r\n\r", b"\nabc"], b"abc"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 7\r\n\r\na\n\nb\r\n\r"], b"a\n\nb\r\n\r"),
+], ids=["one-piece", "split", "bare-lf", "split-in-the-empty-line", "body-with-empty-lines"])
+def test_an_answer_head_is_read_however_it_arrives(pieces: list[bytes], body: bytes) -> None:
     host, port = _serve_once(pieces)
     conn = Connection(host, port, timeout_s=5)
     try:
-        status, content_type, body = conn.request(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [])
-        assert (status, content_type, bytes(body)) == (200, "application/msgpack", b"abc")
+        status, content_type, got = conn.request(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [])
+        assert (status, content_type, bytes(got)) == (200, "application/msgpack", body)
     finally:
         conn.close()
 
