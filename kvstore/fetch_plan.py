@@ -28,6 +28,7 @@ from kvstore.index import TOKEN_BYTES, Node
 from kvstore.results import FetchResult
 from kvstore.store_state import StoreState, empty_kv
 from kvstore.tiers.base import PageRecord
+from kvstore.tiers.redis_landing import Landing
 
 # (page, first token, tokens used, tier, source). The source: a raw page in host memory as a flat
 # numpy uint8 view of its slot (copied with numpy), an encoded slot (its codec decodes it), or
@@ -89,7 +90,7 @@ class FetchPlan:
             out = torch.empty(shape, dtype=dtype, device=dev)
         tiers = state.tiers
         top = tiers.top
-        promote: list[tuple[Node, torch.Tensor]] = []
+        promote: list[tuple[Node, torch.Tensor | np.ndarray]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
         records: dict[bytes, PageRecord | None] = {}
         stream = None
@@ -106,12 +107,19 @@ class FetchPlan:
                     page: torch.Tensor | bool | None = True
                 else:
                     whole = lo == first and used == node.num_tokens
-                    if src is None and node.key not in records:
-                        if stream is None:  # payloads land in `out` where they can
-                            stream = tiers.record_batches(self.reads, spec, out, start)
-                        records = next(stream, {})
-                    page = tiers.read_page(spec, node, tier, src, records.pop(node.key, None),  # type: ignore[arg-type]
-                                           whole=whole, out=out[:, :, a:b])
+                    record = None
+                    if src is None:
+                        if node.key not in records:
+                            if stream is None:  # payloads land in the answer where they can
+                                stream = tiers.record_batches(self.reads, spec, out if out_array is None else out_array,
+                                                              start)
+                            records = next(stream, {})
+                        record = records.pop(node.key, None)
+                    if record is not None and record.payload.__class__ is Landing:
+                        page = True  # landed in the answer, its header checked against this page (record_batches)
+                    else:
+                        page = tiers.read_page(spec, node, tier, src, record, whole=whole,  # type: ignore[arg-type]
+                                               out=out[:, :, a:b])
                     if page is None:  # the copy went bad (corrupt, evicted, unreachable): serve what came before it
                         lost.append((node, tier))
                         matched = first
@@ -119,7 +127,9 @@ class FetchPlan:
                     if page is not True:
                         copy_into(out[:, :, a:b], page[:, :, lo - first:used])
                 if tier != top and promote_on_hit and lo == first:
-                    promote.append((node, out[:, :, a:b] if page is True else page))  # type: ignore[arg-type]
+                    # A raw host top tier takes the numpy view with one copy (TierStack.promote).
+                    promote.append((node, (out[:, :, a:b] if out_array is None else out_array[:, :, a:b])  # type: ignore[arg-type]
+                                    if page is True else page))
         finally:
             with state.lock:
                 for node, kv in promote:
