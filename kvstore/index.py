@@ -29,8 +29,8 @@ TOKEN_BYTES = 4  # tokens are kept as int32 little-endian bytes
 
 
 class Node:
-    __slots__ = ("key", "parent", "tokens", "children", "by_tokens", "kid_tokens", "tiers", "tier_kids", "pins",
-                 "ready", "last_access", "hits", "namespace", "depth", "tail", "root", "__weakref__")
+    __slots__ = ("key", "parent", "tokens", "children", "by_tokens", "kid_tokens", "tail_kids", "tiers", "tier_kids",
+                 "pins", "ready", "last_access", "hits", "namespace", "depth", "tail", "root", "__weakref__")
 
     def __init__(self, key: bytes, parent: "Node | None", tokens: bytes, namespace: bytes):
         self.key = key
@@ -42,6 +42,7 @@ class Node:
         # tokens is next to where they would sort, so a partial match costs a binary search,
         # not a scan of every child (a root's children all start with the same BOS token).
         self.kid_tokens: list[bytes] = []
+        self.tail_kids = 0  # children that are tail pages: the only ones a page's tokens can extend
         self.tiers: dict[str, int] = {}  # tier name -> bytes this page takes there
         self.tier_kids: dict[str, int] = {}  # tier name -> children held in that tier
         self.pins = 0  # > 0: a fetch or store is using the page; it is never evicted
@@ -163,6 +164,8 @@ class PageIndex:
     @staticmethod
     def children_prefixing(node: Node, tokens: bytes) -> list[Node]:
         """`node`'s children whose tokens are a proper prefix of `tokens` (shorter tails)."""
+        if not node.tail_kids:  # a proper prefix of a page is shorter than a page: a tail
+            return []
         by_tokens = node.by_tokens
         if len(by_tokens) * TOKEN_BYTES <= len(tokens):  # few children: look at each
             return [kid for t, kid in by_tokens.items() if len(t) < len(tokens) and tokens.startswith(t)]
@@ -177,6 +180,7 @@ class PageIndex:
         node = Node(key, parent, tokens, parent.namespace)
         node.ready = False
         node.tail = tail
+        parent.tail_kids += tail
         self.nodes[key] = node
         parent.children[key] = node
         assert tokens not in parent.by_tokens, "two siblings with the same tokens"
@@ -194,6 +198,7 @@ class PageIndex:
         if parent is not None:
             del parent.children[node.key]
             del parent.by_tokens[node.tokens]
+            parent.tail_kids -= node.tail
             kids = parent.kid_tokens
             del kids[bisect_left(kids, node.tokens)]
             if parent.is_root and not parent.children:
