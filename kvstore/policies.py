@@ -2,7 +2,7 @@
 
 A policy instance belongs to one tier. The store (placement) tells it when a page enters the
 tier (`insert`), is used (`touch`), leaves (`remove`), or may have changed eligibility
-(`update`: unpinned, lost its last child in the tier); `victim()` returns the page to evict next.
+(`update`: unpinned, lost its last child in the tier); `victim()` returns the page to evict next, which the caller then removes.
 
 Each policy keeps a heap of (priority, seq, node) with lazy invalidation: a node's live entry is
 the one whose seq matches `self._live[node]`; stale entries are skipped when popped. Ineligible
@@ -103,7 +103,10 @@ class EvictionPolicy:
             if self.touch_in_place and ranked != self.priority(node):
                 self._push(node)  # touched since it was ranked: rank it where it belongs now
                 continue
-            self._push(node)  # stays ranked until placement actually removes it
+            # Every caller removes the victim from the tier next (placement evicts it, a shadow
+            # drops it): ranking it again would cost a push now and a stale pop later. Parked,
+            # so an `update` ranks it again should it stay.
+            self._live[node] = -1
             return node
         return None
 
