@@ -34,33 +34,35 @@ def check_model_name(model: Any) -> str:
 
 def token_bytes(tokens: Any, *, max_tokens: int, field: str = "tokens") -> bytes:
     """Token ids (a sequence of ints, or a 1-D integer tensor/array) as int32 LE bytes."""
-    if isinstance(tokens, (bytes, bytearray, memoryview, str)):
-        raise InvalidTokens(f"{field}: expected a list of integer token ids, got {type(tokens).__name__}", field=field)
-    if isinstance(tokens, np.ndarray) and tokens.dtype == _INT32_LE and tokens.ndim == 1:
-        # The sidecar's tokens: a view of the request body. int32 cannot exceed MAX_TOKEN_ID,
-        # so only the sign is left to check (a third of the general path's cost).
-        if tokens.size > max_tokens:
-            raise InvalidTokens(f"{field}: {tokens.size} tokens exceeds the limit of {max_tokens}", field=field)
-        if tokens.size and int(tokens.min()) < 0:
-            raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
-        return tokens.tobytes()
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {tokens.dtype} of shape "
-                                f"{tuple(tokens.shape)}", field=field)
-        # Checked by numpy, which reduces every integer type (torch has no min of uint16-64).
-        tokens = tokens.detach().cpu().numpy()
-    elif hasattr(tokens, "__array_interface__") and not isinstance(tokens, np.ndarray):
-        tokens = np.asarray(tokens)
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {tokens.dtype} of shape {tokens.shape}",
+    if tokens.__class__ is not list:  # a list of ints, the common case, skips these checks
+        if isinstance(tokens, (bytes, bytearray, memoryview, str)):
+            raise InvalidTokens(f"{field}: expected a list of integer token ids, got {type(tokens).__name__}",
                                 field=field)
-        if tokens.size > max_tokens:
-            raise InvalidTokens(f"{field}: {tokens.size} tokens exceeds the limit of {max_tokens}", field=field)
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
-            raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
-        return np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        if isinstance(tokens, np.ndarray) and tokens.dtype == _INT32_LE and tokens.ndim == 1:
+            # The sidecar's tokens: a view of the request body. int32 cannot exceed MAX_TOKEN_ID,
+            # so only the sign is left to check (a third of the general path's cost).
+            if tokens.size > max_tokens:
+                raise InvalidTokens(f"{field}: {tokens.size} tokens exceeds the limit of {max_tokens}", field=field)
+            if tokens.size and int(tokens.min()) < 0:
+                raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
+            return tokens.tobytes()
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+                raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {tokens.dtype} of shape "
+                                    f"{tuple(tokens.shape)}", field=field)
+            # Checked by numpy, which reduces every integer type (torch has no min of uint16-64).
+            tokens = tokens.detach().cpu().numpy()
+        elif hasattr(tokens, "__array_interface__") and not isinstance(tokens, np.ndarray):
+            tokens = np.asarray(tokens)
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+                raise InvalidTokens(f"{field}: expected a 1-D integer tensor, got {tokens.dtype} of shape "
+                                    f"{tokens.shape}", field=field)
+            if tokens.size > max_tokens:
+                raise InvalidTokens(f"{field}: {tokens.size} tokens exceeds the limit of {max_tokens}", field=field)
+            if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
+                raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
+            return np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
     try:
         n = len(tokens)
     except TypeError:
