@@ -212,19 +212,19 @@ class TierStack:
         READ_BATCH_BYTES; others one page a call. `out` (L, 2, T, H, D), a tensor or its numpy
         array, the answer from token `start` on: a batching tier puts the uncompressed payload
         of a page read whole straight into its place there (received from the socket, copied
-        out of the LMDB map); `read_page` then finds it done. Such a page's place in `out`
-        holds garbage if its record is lost: the caller serves only up to the first lost page.
-        Outside the lock: the pages are pinned."""
+        out of the LMDB map); its record comes back with that `Landing` as payload. Such a
+        page's place in `out` holds garbage if its record is lost: the caller serves only up to
+        the first lost page. Outside the lock: the pages are pinned."""
         runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
         landings: dict[bytes, Landing] = {}
-        answer = _answer_bytes(out) if spec is not None and out is not None else None
+        answer = _answer_rows(spec, out) if spec is not None and out is not None else None
         nbytes = 0
         for node, first, used, tier, slot in reads:
             if slot is not None:
                 continue
             batching = self.tiers[tier].batched_reads
             if batching and answer is not None and first >= start and used == node.num_tokens:
-                landings[node.key] = self._landing(spec, node, answer, out.shape[2], first - start)  # type: ignore[arg-type, union-attr]
+                landings[node.key] = self._landing(spec, node, answer, first - start)  # type: ignore[arg-type]
             if not runs or runs[-1][0] != tier or not batching:
                 runs.append((tier, [[]]))
                 nbytes = 0
@@ -269,16 +269,12 @@ class TierStack:
         codec.decode(spec, data, n, page)
         return page
 
-    def _landing(self, spec: ModelSpec, node: Node, answer: memoryview, answer_tokens: int,
-                 offset: int) -> Landing:
-        """The L x 2 byte slices of the answer (L, 2, answer_tokens, H, D) that hold `node`'s
-        KV from token `offset` on, in the order of an uncompressed payload (L, 2, n, H, D)."""
+    def _landing(self, spec: ModelSpec, node: Node, answer: np.ndarray, offset: int) -> Landing:
+        """Where `node`'s uncompressed payload (L, 2, n, H, D) goes in the answer: of its rows
+        (`_answer_rows`, one a layer and K or V), the bytes of tokens offset .. offset + n."""
         slice_token_bytes = spec.bytes_per_token // (2 * spec.num_layers)  # H * D * itemsize
-        row_bytes = answer_tokens * slice_token_bytes  # one (layer, K or V) of the answer
         lo = offset * slice_token_bytes
-        hi = lo + node.num_tokens * slice_token_bytes
-        chunks = tuple([answer[r:r + hi - lo] for r in range(lo, 2 * spec.num_layers * row_bytes, row_bytes)])
-        return Landing(chunks, partial(_lands_raw, spec, node))
+        return Landing(answer[:, lo:lo + node.num_tokens * slice_token_bytes], partial(_lands_raw, spec, node))
 
     # -- TierMover: Placement calls these under the store lock ---------------------------
     def copy_down(self, node: Node, src: str, dst: str) -> bool:
@@ -370,16 +366,17 @@ def _lands_raw(spec: ModelSpec, node: Node, record: PageRecord) -> bool:
     return record.codec == "none" and record.dtype == spec.dtype and _describes(spec, node, record)
 
 
-def _answer_bytes(out: Any) -> memoryview | None:
-    """A writable byte view of a fetch answer (a tensor, or a numpy array: cheaper to view), or
-    None where payloads cannot be received into it (on a GPU, or not one contiguous block)."""
+def _answer_rows(spec: ModelSpec, out: Any) -> np.ndarray | None:
+    """A fetch answer (L, 2, T, H, D) (a tensor, or its numpy array: cheaper to view) as writable
+    uint8 rows (L x 2, T * H * D * itemsize), one a layer and K or V; None where payloads cannot
+    be received into it (on a GPU, or not one contiguous block)."""
     if out.__class__ is np.ndarray:
         if not out.flags.c_contiguous or out.size == 0:
             return None
-        return memoryview(out.reshape(-1).view(np.uint8))
+        return out.reshape(2 * spec.num_layers, -1).view(np.uint8)
     if out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
         return None
-    return memoryview(out.view(-1).view(torch.uint8).numpy())
+    return out.view(-1).view(torch.uint8).numpy().reshape(2 * spec.num_layers, -1)
 
 
 def byte_tensor(payload: Any) -> torch.Tensor:

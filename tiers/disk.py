@@ -11,8 +11,8 @@ that is set once the record is committed (write-through waits for it).
 
 Reads: one read transaction per batch of keys (`read_ahead`), with `buffers=True`, so a value is
 a view into the map and a payload is copied once, out of the map into where the caller keeps it
-(a fetch answer's slices, `landings`, or a fresh tensor), and its checksum is verified over that
-copy, while it is in cache. A header is decoded once per key and the bytes it was decoded from (`_header`).
+(a fetch answer's slices, `landings`: one strided copy a page; or a fresh tensor), and its checksum
+is verified over that copy, while it is in cache. A header is decoded once per key and the bytes it was decoded from (`_header`).
 
 What the tier does not do: decide capacity or eviction (the store's placement does); a write
 that still fails at the largest map size is reported through `take_failed()` so the store can
@@ -226,15 +226,17 @@ class DiskTier(RecordTier):
             if payload_checksum(payload) != header["checksum"]:
                 raise CorruptRecord("payload checksum mismatch")
             return head.with_payload(zstandard.ZstdDecompressor().decompress(payload))
-        if landing is not None and landing.nbytes == len(payload) and landing.accepts(head):
-            digest = payload_digest()
-            start = 0
-            for chunk in landing.chunks:
-                end = start + len(chunk)
-                chunk[:] = payload[start:end]
-                digest.update(chunk)
-                start = end
-            if digest.intdigest() != header["checksum"]:
+        if landing is not None and landing.rows.nbytes == len(payload) and landing.accepts(head):
+            rows = landing.rows
+            np.copyto(rows, np.frombuffer(payload, dtype=np.uint8).reshape(rows.shape))
+            if rows.flags.c_contiguous:
+                checksum = payload_checksum(rows)
+            else:  # the streaming xxh3-64, row by row: the same digest over the same bytes
+                digest = payload_digest()
+                for row in rows:
+                    digest.update(row)
+                checksum = digest.intdigest()
+            if checksum != header["checksum"]:
                 raise CorruptRecord("payload checksum mismatch")
             return head.with_payload(landing)
         copy = torch.empty(len(payload), dtype=torch.uint8)

@@ -1,13 +1,16 @@
 """A Redis page record received with its payload straight in the caller's buffers.
 
-A fetch answer is (L, 2, T, H, D); one page's KV in it is L x 2 contiguous slices, and an
-uncompressed record's payload is those same slices back to back. Receiving the payload into
+A fetch answer is (L, 2, T, H, D); one page's KV in it is L x 2 contiguous slices of one length,
+and an uncompressed record's payload is those same slices back to back: the rows of one strided
+(L x 2, slice bytes) uint8 view of the answer. Receiving the payload into
 them skips a 2 MiB page's copy out of a fresh buffer (and that buffer's allocation): the bytes
 go from the socket to where the caller returns them, and the checksum is computed over each
 piece as it lands, while it is in cache.
 
-- `Landing(chunks, accepts)`: where a payload goes, and the caller's decision on the header
-  (the tier does not know pages: the store's tier stack says which record fits which slices).
+- `Landing(rows, accepts)`: where a payload goes (the rows of a 2-D uint8 view, filled in order;
+  the disk tier fills them with one strided copy, a socket through `chunks`, one byte view a
+  row), and the caller's decision on the header (the tier does not know pages: the store's tier
+  stack says which record fits which slices).
 - `receive_record(reader, nbytes, key, landing)`, a `Receiver` for tiers/redis_reader.py: reads
   the value's length field and header first; when the header is intact, uncompressed, sized
   exactly for the chunks and accepted, receives the payload into them and returns the record
@@ -25,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import xxhash
 
 from kvstore.tiers.base import PageRecord
@@ -41,12 +45,20 @@ MAX_LANDING_HEADER_BYTES = 1 << 20  # a page's header is its token ids plus ~150
 
 @dataclass(frozen=True)
 class Landing:
-    chunks: tuple[memoryview, ...]  # writable byte views, filled in order
-    accepts: Callable[[PageRecord], bool]  # the header (payload None): receive into chunks?
+    # (rows, row bytes) uint8, writable, each row contiguous (rows may be strided apart): the
+    # payload's bytes in row order. A numpy view, not byte views per row: one is sliced per page
+    # out of the answer's (L x 2, answer row bytes) view, and a copy into it is one np.copyto.
+    rows: np.ndarray
+    accepts: Callable[[PageRecord], bool]  # the header (payload None): receive into rows?
 
     @property
     def nbytes(self) -> int:
-        return sum(map(len, self.chunks))
+        return self.rows.nbytes
+
+    @property
+    def chunks(self) -> tuple[memoryview, ...]:
+        """One writable byte view per row, in order (what recvmsg_into scatters into)."""
+        return tuple(map(memoryview, self.rows))
 
 
 def receive_record(reader: ReplyReader, nbytes: int, key: bytes,
