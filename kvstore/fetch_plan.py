@@ -102,8 +102,11 @@ class FetchPlan:
                 if src.__class__ is np.ndarray and out_array is not None:  # a raw page in host memory
                     n = node.num_tokens
                     page_array = src[:n * self.token_bytes].view(out_array.dtype).reshape(spec.kv_shape(n))
-                    np.copyto(out_array[:, :, a:b], page_array[:, :, lo - first:used] if b - a < n else page_array,
-                              casting="no")
+                    if b - a == n == out_array.shape[2]:  # the page is the whole answer
+                        np.copyto(out_array, page_array, casting="no")
+                    else:
+                        np.copyto(out_array[:, :, a:b], page_array[:, :, lo - first:used] if b - a < n else page_array,
+                                  casting="no")
                     page: torch.Tensor | bool | None = True
                 else:
                     whole = lo == first and used == node.num_tokens
