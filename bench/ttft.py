@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # after PYTHONPATH: an older kvstore there wins
 
 from kvstore.decode import LlamaArch, LlamaModel, generate, tiny_model  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
