@@ -25,6 +25,7 @@ import os
 import queue
 import shutil
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 import lmdb
@@ -233,8 +234,7 @@ class DiskTier(RecordTier):
                 checksum = payload_checksum(rows)
             else:  # the streaming xxh3-64, row by row: the same digest over the same bytes
                 digest = payload_digest()
-                for row in rows:
-                    digest.update(row)
+                deque(map(digest.update, rows), maxlen=0)  # each row in order, no Python loop per row
                 checksum = digest.intdigest()
             if checksum != header["checksum"]:
                 raise CorruptRecord("payload checksum mismatch")
@@ -251,10 +251,10 @@ class DiskTier(RecordTier):
         field checks) is remembered per key with the header bytes it was decoded from: it is a
         function of those bytes, so a record whose header changed on disk in any byte is decoded
         and checked afresh, and the payload checksum is still verified on every read."""
+        value = bytes(meta)  # then compared as bytes: a memoryview compares byte by byte
         cached = self._headers.get(key)
-        if cached is not None and cached[0] == meta:
+        if cached is not None and cached[0] == value:
             return cached[1], cached[2]
-        value = bytes(meta)
         header = decode_header(value, key)
         head = header_to_record(header)
         if len(self._headers) >= HEADER_CACHE_ENTRIES:

@@ -112,3 +112,22 @@ def test_a_disk_hit_is_promoted_and_then_served_bit_exact_from_the_cpu_tier(make
     got.kv.zero_()  # the promoted copies are the tier's own, not views of the answer
     again = store.fetch("m", tokens)
     assert again.matched_tokens == 10 and torch.equal(again.kv, kv)
+
+
+def test_a_one_page_answer_is_bit_exact_and_its_changed_payload_a_miss(make_store, spec, tmp_path):
+    # A fetch of exactly one page: its rows are the whole answer, one contiguous block.
+    data_dir = tmp_path / "one"
+    store = make_store(data_dir=str(data_dir), cpu_bytes=0)
+    store.register_model("m", spec)
+    tokens = list(range(300, 300 + spec.page_size))
+    kv = random_kv(spec, spec.page_size)
+    store.store("m", tokens, kv)
+    assert store.flush(30)
+    got = store.fetch("m", tokens)
+    assert got.matched_tokens == spec.page_size and torch.equal(got.kv, kv)
+
+    done = subprocess.run([sys.executable, "-c", REWRITE, str(data_dir / "pages"), str(tokens[0]), "payload byte"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["rewritten"], done.stderr
+    got = store.fetch("m", tokens)
+    assert got.matched_tokens == 0 and store.stats()["corrupt_records"] == 1
