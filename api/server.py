@@ -139,7 +139,8 @@ def serve(store_config: StoreConfig, server_config: ServerConfig) -> int:
     logging.basicConfig(level=server_config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        event_loop.loop_factory(server_config.event_loop)  # uvloop asked for and missing: one line, before anything starts
+        # uvloop asked for and missing: one line, before anything starts
+        event_loop.loop_factory(server_config.event_loop)
     except ValueError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2

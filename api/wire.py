@@ -19,7 +19,7 @@ import functools
 import json
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 import numpy as np

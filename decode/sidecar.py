@@ -19,7 +19,9 @@ class InProcessSidecar:
     def __init__(self, store_config: StoreConfig):
         self.store_config = store_config
         self.url: str | None = None
-        self._loop = asyncio.new_event_loop()
+        from kvstore.api.event_loop import loop_factory
+
+        self._loop = loop_factory("auto")()  # the loop `kvstore serve` runs on (uvloop when installed)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="kvstore-sidecar")
         self._runner: Any = None
         self._store: Any = None

@@ -2,7 +2,8 @@
 
 A policy instance belongs to one tier. The store (placement) tells it when a page enters the
 tier (`insert`), is used (`touch`), leaves (`remove`), or may have changed eligibility
-(`update`: unpinned, lost its last child in the tier); `victim()` returns the page to evict next, which the caller then removes.
+(`update`: unpinned, lost its last child in the tier); `victim()` returns the page to evict next,
+which the caller then removes.
 
 Each policy keeps a heap of (priority, seq, node) with lazy invalidation: a node's live entry is
 the one whose seq matches `self._live[node]`; stale entries are skipped when popped. Ineligible

@@ -34,7 +34,8 @@ def _serve_once(pieces: list[bytes]) -> tuple[str, int]:
     ([b"HTTP/1.1 200 OK\r\nContent-Ty", b"pe: application/msgpack\r\nContent-Length: 3\r\n", b"\r\nabc"], b"abc"),
     ([b"HTTP/1.1 200 OK\nContent-Type: application/msgpack\nContent-Length: 3\n\nabc"], b"abc"),
     ([b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 3\r\n\r", b"\nabc"], b"abc"),
-    ([b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 7\r\n\r\na\n\nb\r\n\r"], b"a\n\nb\r\n\r"),
+    ([b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 7\r\n\r\na\n\nb\r\n\r"],
+     b"a\n\nb\r\n\r"),
 ], ids=["one-piece", "split", "bare-lf", "split-in-the-empty-line", "body-with-empty-lines"])
 def test_an_answer_head_is_read_however_it_arrives(pieces: list[bytes], body: bytes) -> None:
     host, port = _serve_once(pieces)
