@@ -179,8 +179,8 @@ class RecordTier(Tier):
         """The records of each batch of keys, {key: record}, in order, read as the caller asks
         for them. A `batched_reads` tier reads a batch at a time (Redis: a round trip; disk: a
         read transaction) and may land payloads in `landings` (tiers/redis_landing.py): the
-        payload of a record returned with its Landing is in the landing's chunks, checksum
-        verified; the chunks of any other key may hold garbage. This default reads one key a
+        payload of a record returned with its Landing is in the landing's rows, checksum
+        verified; the rows of any other key may hold garbage. This default reads one key a
         call."""
         for batch in batches:
             yield {key: self.get(key) for key in batch}
