@@ -168,9 +168,9 @@ class DiskTier(RecordTier):
     def read_ahead(self, batches: list[list[bytes]],
                    landings: Mapping[bytes, Landing] | None = None) -> Iterator[dict[bytes, PageRecord | None]]:
         """The records of each batch, one read transaction per batch. A key of `landings` whose
-        record is intact, uncompressed, sized for its chunks and accepted gets its payload copied
+        record is intact, uncompressed, sized for its rows and accepted gets its payload copied
         straight out of the map into them (its record's payload is then that Landing). As with
-        Redis, the chunks of a key that comes back otherwise may hold garbage (a payload that
+        Redis, the rows of a key that comes back otherwise may hold garbage (a payload that
         failed its checksum there): the caller serves nothing from them."""
         for batch in batches:
             yield self._read_batch(batch, landings)
