@@ -12,7 +12,8 @@ that is set once the record is committed (write-through waits for it).
 Reads: one read transaction per batch of keys (`read_ahead`), with `buffers=True`, so a value is
 a view into the map and a payload is copied once, out of the map into where the caller keeps it
 (a fetch answer's slices, `landings`: one strided copy a page; or a fresh tensor), and its checksum
-is verified over that copy, while it is in cache. A header is decoded once per key and the bytes it was decoded from (`_header`).
+is verified over that copy, while it is in cache. A header is decoded once per key and the bytes it
+was decoded from (`_header`).
 
 What the tier does not do: decide capacity or eviction (the store's placement does); a write
 that still fails at the largest map size is reported through `take_failed()` so the store can
@@ -175,7 +176,8 @@ class DiskTier(RecordTier):
         for batch in batches:
             yield self._read_batch(batch, landings)
 
-    def _read_batch(self, keys: list[bytes], landings: Mapping[bytes, Landing] | None) -> dict[bytes, PageRecord | None]:
+    def _read_batch(self, keys: list[bytes],
+                    landings: Mapping[bytes, Landing] | None) -> dict[bytes, PageRecord | None]:
         records: dict[bytes, PageRecord | None] = {}
         to_read = []
         with self._pending_lock:  # a key whose last write is still queued is answered from `_pending`

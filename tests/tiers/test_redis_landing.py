@@ -151,7 +151,8 @@ def test_the_tier_lands_a_payload_only_where_the_caller_accepts_its_header(redis
         landings = {
             recs[0].key: Landing(spaced[:, :1 << 14], lambda header: header.tokens == recs[0].tokens),
             recs[1].key: Landing(buffers[1].numpy().reshape(1, -1), lambda header: False),  # declined: a fresh buffer
-            recs[2].key: Landing(buffers[2].numpy()[:100].reshape(1, -1), lambda header: True),  # too small: a fresh buffer
+            # too small: a fresh buffer
+            recs[2].key: Landing(buffers[2].numpy()[:100].reshape(1, -1), lambda header: True),
         }
         got: dict = {}
         for found in tier.read_ahead([[recs[0].key, recs[1].key], [recs[2].key, recs[3].key]], landings):
