@@ -45,6 +45,8 @@ bench: install
 	mkdir -p bench/out
 	$(PY) bench/tiers.py --json bench/out/tiers.json
 	$(PY) bench/api.py --json bench/out/api.json
+	$(PY) bench/ops.py --json bench/out/ops.json
+	$(PY) bench/prefix_scale.py --json bench/out/prefix_scale.json
 	$(PY) bench/redis_tier.py --json bench/out/redis_tier.json
 	$(PY) bench/eviction.py bench/data/mooncake_synthetic.jsonl --policies lru,lru-prefix,arc-prefix,lru-tail,seen-before,duel,seen-often,seen-learned,duel-freq,belady \
 	    --json bench/out/eviction.json --plot docs/eviction.png
