@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -52,7 +51,7 @@ if str(REPO) not in sys.path:
 import kvstore  # noqa: E402
 from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore import ModelSpec  # noqa: E402
-from bench.ops import redis_configs, start_sidecar as start_kvstore_serve  # noqa: E402
+from bench.ops import redis_configs, start_redis, start_sidecar as start_kvstore_serve  # noqa: E402
 
 # 32 KiB of KV per token (8 layers x 8 KV heads x 128 dims, fp16), 16-token pages of 512 KiB:
 # a 2 MiB value is 64 tokens = 4 pages, a 64 KiB value 2 tokens (one tail page).
@@ -200,26 +199,7 @@ def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float
     return [stored, summarize(system, "fetch", size, clients, nbytes, run_clients(clients, seconds, nbytes, fetch_op))]
 
 
-# ---- redis -----------------------------------------------------------------------------------
-
-def start_redis(tmp: Path) -> tuple[subprocess.Popen, int] | None:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp), "--protected-mode", "no"], stdout=subprocess.DEVNULL)
-    import redis
-
-    for _ in range(100):
-        try:
-            redis.Redis(port=port).ping()
-            return proc, port
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    return None
-
+# ---- redis (the server: bench/ops.py start_redis) ----------------------------------------------
 
 def redis_cells(port: int, size: str, nbytes: int, clients: int, seconds: float) -> list[Cell]:
     """SET/GET cells for each redis-py configuration (system `redis-<config>`)."""
