@@ -87,7 +87,7 @@ class ModelSpec:
         # token's byte count are computed once, not from every field on each lookup.
         object.__setattr__(self, "_hash", hash(astuple(self)))
         object.__setattr__(self, "_token_bytes",
-                           self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype])
+                           self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize)
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]

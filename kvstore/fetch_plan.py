@@ -40,7 +40,7 @@ class FetchPlan:
     """The pages one fetch reads, pinned. `run` it once, or `release` it."""
 
     __slots__ = ("state", "spec", "start", "dev", "into", "count", "path", "reads", "matched_tokens",
-                 "needs_io", "nbytes", "token_bytes", "_unclaimed")
+                 "needs_io", "nbytes", "_unclaimed")
 
     def __init__(self, state: StoreState, spec: ModelSpec, start: int, dev: torch.device, into: torch.Tensor | None,
                  count: bool, path: list[Node], reads: list[Read], matched_tokens: int, needs_io: bool):
@@ -54,8 +54,7 @@ class FetchPlan:
         self.reads = reads  # the pages the answer is read from (those past `start`)
         self.matched_tokens = matched_tokens
         self.needs_io = needs_io  # a page is read from a record tier (disk, Redis): running the plan waits on I/O
-        self.token_bytes = spec.bytes_per_token  # KV bytes of one token
-        self.nbytes = max(0, matched_tokens - start) * self.token_bytes  # the answer's size
+        self.nbytes = max(0, matched_tokens - start) * spec.bytes_per_token  # the answer's size
         # One token, taken by whichever of run and release comes first: list.pop is atomic, and
         # a lock per plan costs more than the rest of a small fetch's bookkeeping.
         self._unclaimed = [True]
@@ -101,12 +100,9 @@ class FetchPlan:
                 a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
                 if src.__class__ is np.ndarray and out_array is not None:  # a raw page in host memory
                     n = node.num_tokens
-                    page_array = src[:n * self.token_bytes].view(out_array.dtype).reshape(spec.kv_shape(n))
-                    if b - a == n == out_array.shape[2]:  # the page is the whole answer
-                        np.copyto(out_array, page_array, casting="no")
-                    else:
-                        np.copyto(out_array[:, :, a:b], page_array[:, :, lo - first:used] if b - a < n else page_array,
-                                  casting="no")
+                    page_array = src[:n * spec.bytes_per_token].view(out_array.dtype).reshape(spec.kv_shape(n))
+                    np.copyto(out_array[:, :, a:b], page_array[:, :, lo - first:used] if b - a < n else page_array,
+                              casting="no")
                     page: torch.Tensor | bool | None = True
                 else:
                     whole = lo == first and used == node.num_tokens
@@ -141,8 +137,7 @@ class FetchPlan:
                 for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
                     if state.index.get(node.key) is node:
                         state.placement.remove_from(node, tier)
-                if tiers.losing:
-                    state.drain_lost_copies()
+                state.drain_lost_copies()
         if self.count:
             state.counters["fetched_tokens"] += max(0, matched - start)
         if matched <= start:
@@ -173,9 +168,8 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
     lock. `memory_only_max_bytes`: None instead, with nothing done or counted, when the plan
     would need I/O or answer more bytes than this."""
     with state.lock:
+        state.drain_lost_copies()
         tiers, placement = state.tiers, state.placement
-        if tiers.losing:
-            state.drain_lost_copies()
         match = state.index.match(root_key, tb, spec.page_size)
         if memory_only_max_bytes is not None and (
                 (match.matched_tokens - start) * spec.bytes_per_token > memory_only_max_bytes
@@ -193,12 +187,12 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
         reads: list[Read] = []
         needs_io = False
         offset = 0
-        top, host = tiers.top, dev.type == "cpu"
+        host = dev.type == "cpu"
         for node in match.path:
             used = min(node.num_tokens, match.matched_tokens - offset)
             placement.pin(node)
             placement.touch(node, clock)
-            tier = top if top in node.tiers else tiers.source_tier(node)
+            tier = tiers.source_tier(node)
             if offset + used > start:
                 placement.usage[tier].hits += 1
                 node.hits += 1

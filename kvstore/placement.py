@@ -181,13 +181,11 @@ class Placement:
 
     def touch(self, node: Node, clock: int) -> None:
         node.last_access = clock
-        policies = self.policies
-        for tier in node.tiers:  # every page a request uses, in every tier holding it: kept lean
-            policies[tier].touch(node)
-            if self.tenant_policies:
-                own = self._own_policy(node, tier)
-                if own is not None:
-                    own.touch(node)
+        for tier in node.tiers:
+            self.policies[tier].touch(node)
+            own = self._own_policy(node, tier)
+            if own is not None:
+                own.touch(node)
 
     def pin(self, node: Node) -> None:
         node.pins += 1

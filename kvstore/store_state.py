@@ -57,12 +57,8 @@ class StoreState:
     def count_misses(self, path: list[Node], missed: bool) -> None:
         """Each tier above the one that served a page counts a miss; a page no tier holds is a
         miss everywhere (tiers are consulted top down)."""
-        order = self.placement.order
-        top = order[0]
         for node in path:
-            if top in node.tiers:
-                continue  # served by the top tier: no tier above it to miss (most pages of most fetches)
-            for tier in order:
+            for tier in self.placement.order:
                 if tier in node.tiers:
                     break
                 self.placement.usage[tier].misses += 1

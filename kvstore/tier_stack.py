@@ -189,18 +189,16 @@ class TierStack:
         nbytes = self.size_in(node, top)
         if not self.placement.make_room(top, nbytes, node.namespace):
             return
-        if kv.__class__ is np.ndarray:
-            if top in self.raw_host:
-                slot = self.allocate(top, node.key, nbytes, as_array=True)
-                if slot is None:
-                    return
-                np.copyto(slot[:kv.nbytes].view(kv.dtype).reshape(kv.shape), kv, casting="no")
-                self.placement.add(node, top, nbytes)
-                self.placement.usage[top].promotions += 1
+        if kv.__class__ is np.ndarray and top in self.raw_host:
+            slot = self.allocate(top, node.key, nbytes, as_array=True)
+            if slot is None:
                 return
-            kv = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
-        if self.put_page(spec, node, top, kv=kv) is None:
-            return
+            np.copyto(slot[:kv.nbytes].view(kv.dtype).reshape(kv.shape), kv, casting="no")
+        else:
+            if kv.__class__ is np.ndarray:
+                kv = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
+            if self.put_page(spec, node, top, kv=kv) is None:
+                return
         self.placement.add(node, top, nbytes)
         self.placement.usage[top].promotions += 1
 
