@@ -508,12 +508,27 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         redis = "–" if r["redis_us"] is None else f"{r['redis_us']:,.1f} ({r['redis_config']})"
         vs_redis = "–" if r["cost_vs_redis"] is None else f"{r['cost_vs_redis']:.2f}×"
-        target = "; ".join(t["target"] for t in r["targets"]) or "–"
-        met = "; ".join(("met" if t["met"] else "missed") + f" ({t['value']:.2f})" for t in r["targets"]) or "–"
+        target, met = target_cells(r)
         lines.append(f"| {r['path']} | {r['op']} | {size_name(r['bytes'])} | {r['p50_us']:,.1f} | {r['p90_us']:,.1f} "
                      f"| {r['memcpy_us']:,.1f} ({r['memcpy_kind']}) | {r['speed_vs_memcpy']:.2f} "
                      f"| {r['dict_us']:,.1f} | {r['cost_vs_dict']:.1f}× | {redis} | {vs_redis} | {target} | {met} |")
     return "\n".join(lines)
+
+
+def target_cells(row: dict[str, Any]) -> tuple[str, str]:
+    """A result row's targets and whether each was met, as two table cells."""
+    targets = row["targets"]
+    return ("; ".join(t["target"] for t in targets) or "–",
+            "; ".join(("met" if t["met"] else "missed") + f" ({t['value']:.2f})" for t in targets) or "–")
+
+
+def close_all(closers: list[Any], procs: list[subprocess.Popen]) -> None:
+    """Close the clients and stores a run opened, then stop the processes it started."""
+    for c in closers:
+        c.close()
+    for p in procs:
+        p.terminate()
+        p.wait(30)
 
 
 def settle_collector() -> None:
@@ -606,11 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                 if case.check is not None:
                     row["note"] = case.check()
         finally:
-            for c in closers:
-                c.close()
-            for p in procs:
-                p.terminate()
-                p.wait(30)
+            close_all(closers, procs)
     print("\n".join(header))
     print(f"{rounds} interleaved rounds of {seconds:g} s per case; speed vs memcpy = memcpy time / op time, "
           "cost vs dict (or redis-py) = op time / baseline time, p50s")
@@ -649,8 +660,7 @@ def compare_table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
              "|---|---|---|---|---|---|---|---|---|"]
     for r in after:
         n = r["name"]
-        target = "; ".join(t["target"] for t in r["targets"]) or "–"
-        met = "; ".join(("met" if t["met"] else "missed") + f" ({t['value']:.2f})" for t in r["targets"]) or "–"
+        target, met = target_cells(r)
         lines.append(f"| {r['path']} | {r['op']} | {size_name(r['bytes'])} | {pair(n, 'p50_us', ',.1f')} "
                      f"| {pair(n, 'speed_vs_memcpy', '.2f')} | {pair(n, 'cost_vs_dict', '.1f')} "
                      f"| {pair(n, 'cost_vs_redis', '.2f')} | {target} | {met} |")

@@ -52,7 +52,7 @@ from tqdm import tqdm  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
-from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, fill, same_bytes, settle_collector,  # noqa: E402
+from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes, settle_collector,  # noqa: E402
                        start_sidecar)
 
 SIZES = ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 16))  # (spec, value bytes, prestored values)
@@ -329,11 +329,7 @@ def run_all(quick: bool, paths: set[str], serve_args: tuple[str, ...] = ()) -> d
             for name, job in tqdm(todo, desc="bench/profile_ops", unit="case", file=sys.stderr):
                 results["cases"][name] = job()
         finally:
-            for c in closers:
-                c.close()
-            for p in procs:
-                p.terminate()
-                p.wait(30)
+            close_all(closers, procs)
     return results
 
 
