@@ -8,7 +8,9 @@ which the caller then removes.
 Each policy keeps a heap of (priority, seq, node) with lazy invalidation: a node's live entry is
 the one whose seq matches `self._live[node]`; stale entries are skipped when popped. Ineligible
 nodes (pinned, or not a leaf for leaf-first policies) are dropped from the heap when popped and
-pushed back by `update`, so a victim search never loops over them twice.
+pushed back by `update`, so a victim search never loops over them twice. Seqs are unique within a
+policy, so entries never tie: the order victims come out in depends only on which entries are in
+the heap, never on the heap's layout, and compacting it (dropping stale entries) changes nothing.
 
 A policy whose priority only grows while a page is used (leaf-first LRU: last use only moves
 forward) sets `touch_in_place`: a touch leaves the page's entry as it is, ranked at an older
@@ -19,13 +21,18 @@ priority. (Pages of equal priority may come out in another order than eager push
 A fetch touches every page it serves, in every tier's policy and shadow: the touch is the hot
 call, and a dict lookup is what it costs now instead of a heap push.
 
+The calls on the hot path (a store's insert and eviction, a fetch's touch and unpin, each in the
+tier's rankings and both shadows of `duel`) inline their small helpers and call no method whose
+answer is known (a touch that touches in place); their decisions are those of the plain methods
+they inline, which stay for the subclasses that change a rule (bench/ research policies).
+
 Policies never touch tiers or the tree; they only rank pages. This module imports no torch.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import OrderedDict
+from heapq import heapify, heappop, heappush
 from typing import Any
 
 from kvstore.index import Node
@@ -58,14 +65,18 @@ class EvictionPolicy:
 
     def _push(self, node: Node) -> None:
         seq = next(self._seq)
-        self._live[node] = seq
-        heapq.heappush(self._heap, (self.priority(node), seq, node))
-        if len(self._heap) > 4 * len(self._live) + 64:
+        live = self._live
+        live[node] = seq
+        heap = self._heap
+        heappush(heap, (self.priority(node), seq, node))
+        if len(heap) > 4 * len(live) + 64:
             self._compact()
 
     def _compact(self) -> None:
-        self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
-        heapq.heapify(self._heap)
+        # In place: `victim` holds the heap in a local while it pushes.
+        live, heap = self._live, self._heap
+        heap[:] = [e for e in heap if live.get(e[2]) == e[1]]
+        heapify(heap)
 
     def insert(self, node: Node) -> None:
         self._push(node)
@@ -73,6 +84,11 @@ class EvictionPolicy:
     def touch(self, node: Node) -> None:
         if node in self._live and not self.touch_in_place:
             self._push(node)
+
+    def touches_nothing(self) -> bool:
+        """True if `touch` never changes this policy (it touches in place, with the base
+        `touch`): callers on the hot path skip the call."""
+        return self.touch_in_place and type(self).touch is EvictionPolicy.touch
 
     def update(self, node: Node) -> None:
         # Only a parked node needs a new entry: an eligible one's priority has not changed (a
@@ -94,20 +110,22 @@ class EvictionPolicy:
         return len(self._live)
 
     def victim(self) -> Node | None:
-        while self._heap:
-            ranked, seq, node = heapq.heappop(self._heap)
-            if self._live.get(node) != seq:
+        heap, live = self._heap, self._live
+        eligible, priority, in_place = self.eligible, self.priority, self.touch_in_place
+        while heap:
+            ranked, seq, node = heappop(heap)
+            if live.get(node) != seq:
                 continue  # stale entry
-            if not self.eligible(node):
-                self._live[node] = -1  # parked until `update` pushes it again
+            if not eligible(node):
+                live[node] = -1  # parked until `update` pushes it again
                 continue
-            if self.touch_in_place and ranked != self.priority(node):
+            if in_place and ranked != priority(node):
                 self._push(node)  # touched since it was ranked: rank it where it belongs now
                 continue
             # Every caller removes the victim from the tier next (placement evicts it, a shadow
             # drops it): ranking it again would cost a push now and a stale pop later. Parked,
             # so an `update` ranks it again should it stay.
-            self._live[node] = -1
+            live[node] = -1
             return node
         return None
 
@@ -135,14 +153,71 @@ class LRUTailPolicy(EvictionPolicy):
     Only real tails (fewer tokens than a full page, `Node.tail`) rank first: a full last page is
     what the next turn hangs its child under, and a sequence stored a moment ago is served whole.
     No constant; without tail pages this is plain leaf-first LRU (`lru-prefix` in bench/).
+
+    Two heaps of (last access, seq, node) stand for the one of (priority, seq, node): `_tails`
+    for tail pages, `_heap` for full ones, each entry in the heap of the `tail` its page had when
+    it was pushed. Every tail entry ranks before every full one, so popping `_tails` until it is
+    empty and then `_heap` pops the entries in the one heap's order, and an int compares for the
+    pair (bool, int) on every step of a push or pop. An entry whose page's priority changed since
+    (last access, or tail) is re-ranked when it surfaces, as `touch_in_place` says.
+    A subclass that changes the ranking (priority, eligibility, leaf-first, touch in place) gets
+    the base class's one heap and methods (`__init_subclass__`).
     """
 
     name = "lru-tail"
     leaf_first = True
     touch_in_place = True
 
+    def __init__(self, tier: str):
+        super().__init__(tier)
+        self._tails: list[tuple[Any, int, Node]] = []  # tail pages' entries; `_heap`: full pages'
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if (cls.priority is not LRUTailPolicy.priority or cls.eligible is not EvictionPolicy.eligible
+                or not cls.leaf_first or not cls.touch_in_place):
+            for name in ("_push", "_compact", "insert", "victim"):
+                if getattr(cls, name) is getattr(LRUTailPolicy, name):
+                    setattr(cls, name, getattr(EvictionPolicy, name))
+
     def priority(self, node: Node) -> Any:
         return (not node.tail, node.last_access)
+
+    def _push(self, node: Node) -> None:
+        seq = next(self._seq)
+        live = self._live
+        live[node] = seq
+        heap = self._tails if node.tail else self._heap
+        heappush(heap, (node.last_access, seq, node))
+        if len(heap) > 4 * len(live) + 64:
+            self._compact()
+
+    insert = _push
+
+    def _compact(self) -> None:
+        live = self._live
+        for heap in (self._tails, self._heap):
+            heap[:] = [e for e in heap if live.get(e[2]) == e[1]]
+            heapify(heap)
+
+    def victim(self) -> Node | None:
+        tails, fulls, live, tier = self._tails, self._heap, self._live, self.tier
+        while True:
+            full = not tails
+            heap = fulls if full else tails
+            if not heap:
+                return None
+            ranked, seq, node = heappop(heap)
+            if live.get(node) != seq:
+                continue  # stale entry
+            if node.pins or node.tier_kids.get(tier, 0):
+                live[node] = -1  # parked (pinned, or not a leaf) until `update` pushes it again
+                continue
+            if ranked != node.last_access or (not node.tail) != full:
+                self._push(node)  # touched since it was ranked: rank it where it belongs now
+                continue
+            live[node] = -1  # parked: the caller removes it next (see `EvictionPolicy.victim`)
+            return node
 
 
 class TwoSegmentPolicy(EvictionPolicy):
@@ -174,10 +249,12 @@ class TwoSegmentPolicy(EvictionPolicy):
 
     def touch(self, node: Node) -> None:
         segment = self._segment.get(node)
+        if segment is None:
+            return
         if segment is self.probation and node.hits:
-            self.probation.remove(node)  # served: off probation
+            segment.remove(node)  # served: off probation
             self._admit(node, self.protected)
-        elif segment is not None and not segment.touch_in_place:  # in place: nothing to do
+        elif not segment.touch_in_place:  # in place: nothing to do
             segment.touch(node)
 
     def update(self, node: Node) -> None:
@@ -186,7 +263,9 @@ class TwoSegmentPolicy(EvictionPolicy):
             segment.update(node)
 
     def remove(self, node: Node) -> None:
-        self._leave(node)
+        segment = self._segment.pop(node, None)  # `_leave`, inline: every eviction calls it
+        if segment is not None:
+            segment.remove(node)
 
     def _leave(self, node: Node) -> EvictionPolicy | None:
         """Take `node` out of its segment; -> the segment it was in (None: not held)."""
@@ -222,13 +301,18 @@ class SeenBeforePolicy(TwoSegmentPolicy):
         self.history: OrderedDict[bytes, None] = OrderedDict()  # keys stored, oldest first
 
     def insert(self, node: Node) -> None:
-        seen = node.key in self.history
-        self.history[node.key] = None
-        self.history.move_to_end(node.key)
-        limit = self.HISTORY_TURNOVERS * max(1, len(self._segment) + 1)
-        while len(self.history) > limit:
-            self.history.popitem(last=False)
-        self._admit(node, self.protected if seen or node.hits else self.probation)
+        key, history, held = node.key, self.history, self._segment
+        if key in history:
+            history.move_to_end(key)
+            segment = self.protected
+        else:
+            history[key] = None  # a new key goes in last
+            segment = self.protected if node.hits else self.probation
+        limit = self.HISTORY_TURNOVERS * (len(held) + 1)  # pages held, this one included
+        while len(history) > limit:
+            history.popitem(last=False)
+        held[node] = segment  # `_admit`, inline
+        segment.insert(node)
 
     def victim(self) -> Node | None:
         node = self.probation.victim()
@@ -294,9 +378,18 @@ class DuelPolicy(EvictionPolicy):
         self.rate = 1  # 1/rate of the keys go through the shadows
         # (key, parent key, tail, last access, tick) of references not yet through the shadows
         self.pending: list[tuple[bytes, bytes | None, bool, int, int]] | None = None
-        # A touch changes only the rankings that rank on it (not those that touch in place):
-        # a fetch touches every page it serves, so the others are not called at all.
-        self._touched = [r for r in self.rankings if not r.touch_in_place or type(r).touch is not EvictionPolicy.touch]
+        # Every call goes to every ranking: their bound methods, looked up once. A touch changes
+        # only the rankings that rank on it (not those that touch in place): a fetch touches every
+        # page it serves, so the others are not called at all.
+        self._inserts = [r.insert for r in self.rankings]
+        self._touches = [r.touch for r in self.rankings if not r.touches_nothing()]
+        self._updates = [r.update for r in self.rankings]
+        self._removes = [r.remove for r in self.rankings]
+        self._references = [s.reference for s in self.shadows]
+        self._pair = tuple(self._references) if len(self._references) == 2 else None
+        # The first ranking's pages, read without a call where it counts them in `_live`.
+        first = self.rankings[0]
+        self._first_live = first._live if type(first).__len__ is EvictionPolicy.__len__ else None
         self._shadow_size()
 
     def _shadow_size(self) -> None:
@@ -320,59 +413,77 @@ class DuelPolicy(EvictionPolicy):
         pending = self.pending
         if pending:
             self.pending = []
+            replay = self._replay
             for reference in pending:
-                self._replay(*reference)
+                replay(*reference)
 
     def _reference(self, node: Node) -> None:
-        if node.key[-1] % self.rate:  # in_sample, inline: this runs for every page a request uses
+        key = node.key
+        if key[-1] % self.rate:  # in_sample, inline: this runs for every page a request uses
             return
         parent = node.parent
-        # What the shadows read of the node now: by `catch_up` it may have been touched again.
-        reference = (node.key, None if parent is None else parent.key, node.tail, node.last_access, self.tick)
+        parent_key = None if parent is None else parent.key
         pending = self.pending
-        if pending is None:
-            self._replay(*reference)
+        if pending is not None:
+            # What the shadows read of the node now: by `catch_up` it may have been touched again.
+            pending.append((key, parent_key, node.tail, node.last_access, self.tick))
+            if len(pending) >= self.MAX_PENDING:
+                self.catch_up()
             return
-        pending.append(reference)
-        if len(pending) >= self.MAX_PENDING:
-            self.catch_up()
+        if self._pair is None:
+            self._replay(key, parent_key, node.tail, node.last_access, self.tick)
+            return
+        # `_replay` for two candidates, inline: the same references in the same order, the
+        # same arithmetic.
+        first, second = self._pair
+        tail, last_access, tick, capacity, keep = node.tail, node.last_access, self.tick, self._capacity, self._keep
+        scores = self.scores
+        score0 = scores[0] = (scores[0] + first(key, parent_key, tail, last_access, tick, capacity)) * keep
+        score1 = scores[1] = (scores[1] + second(key, parent_key, tail, last_access, tick, capacity)) * keep
+        self._leader = 1 if score1 > score0 else 0
 
     def _replay(self, key: bytes, parent_key: bytes | None, tail: bool, last_access: int, tick: int) -> None:
         capacity, keep = self._capacity, self._keep
         scores = self.scores
-        for i, shadow in enumerate(self.shadows):
-            scores[i] = (scores[i] + shadow.reference(key, parent_key, tail, last_access, tick, capacity)) * keep
-        best = 0
+        i = 0
+        for reference in self._references:
+            scores[i] = (scores[i] + reference(key, parent_key, tail, last_access, tick, capacity)) * keep
+            i += 1
+        # The highest score leads, the first on a tie. Every score decays on every reference, and
+        # two distinct scores can round to one, so the leader is found again each time.
+        best, top = 0, scores[0]
         for i in range(1, len(scores)):
-            if scores[i] > scores[best]:
-                best = i
+            if scores[i] > top:
+                best, top = i, scores[i]
         self._leader = best
 
     def insert(self, node: Node) -> None:
         self.tick += 1
-        for ranking in self.rankings:
-            ranking.insert(node)
-        if len(self) > self.capacity_pages:
-            self.capacity_pages = len(self)
-            self.rate = sample_rate(self.capacity_pages, self.SAMPLE)
+        for insert in self._inserts:
+            insert(node)
+        held = self._first_live
+        pages = len(self) if held is None else len(held)
+        if pages > self.capacity_pages:
+            self.capacity_pages = pages
+            self.rate = sample_rate(pages, self.SAMPLE)
             self._shadow_size()
         self._reference(node)
 
     def touch(self, node: Node) -> None:
-        for ranking in self._touched:
-            ranking.touch(node)
+        for touch in self._touches:
+            touch(node)
         self._reference(node)
 
     def update(self, node: Node) -> None:
-        for ranking in self.rankings:
-            ranking.update(node)
+        for update in self._updates:
+            update(node)
 
     def remove(self, node: Node) -> None:
-        for ranking in self.rankings:
-            ranking.remove(node)
+        for remove in self._removes:
+            remove(node)
 
     def victim(self) -> Node | None:
-        return self.leader.victim()
+        return self.rankings[self._leader].victim()
 
 
 # What `StoreConfig(policy=...)` offers: the default `duel`, the two rules it chooses between, and

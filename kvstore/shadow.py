@@ -51,25 +51,36 @@ class ShadowPage:
     __slots__ = ("key", "parent", "tail", "hits", "last_access", "pins", "tier_kids", "depth", "tick",
                  "__weakref__")
 
-    def __init__(self, key: bytes, parent: "ShadowPage | None", tail: bool, last_access: int, tick: int):
+    def __init__(self, key: bytes, parent: "ShadowPage | None", tail: bool, last_access: int, tick: int,
+                 tier: str):
         self.key = key
         self.parent = parent
         self.tail = tail
         self.hits = 0  # references while held by the shadow, after the first (ARC reads it)
         self.last_access = last_access
         self.pins = 0  # never pinned (see the module docstring)
-        self.tier_kids: dict[str, int] = {}
+        self.tier_kids: dict[str, int] = {tier: 0}  # one tier: the shadow's (policies read it so)
         self.depth = 0 if parent is None else parent.depth + 1
         self.tick = tick  # the last tick it was referenced in
 
 
 class ShadowCache:
-    """One policy (made by `make_policy(tier)`) over at most `capacity` simulated pages."""
+    """One policy (made by `make_policy(tier)`) over at most `capacity` simulated pages.
+
+    `reference` is called for every page a request stores or uses, once per shadow: it calls the
+    policy's methods bound once here, and skips a touch the policy says changes nothing
+    (`touches_nothing`: one that touches in place)."""
 
     def __init__(self, tier: str, make_policy: Callable[[str], object]):
         self.tier = tier
-        self.policy = make_policy(tier)
+        self.policy = policy = make_policy(tier)
         self.pages: dict[bytes, ShadowPage] = {}
+        touches_nothing = getattr(policy, "touches_nothing", None)
+        self._touch = None if touches_nothing is not None and touches_nothing() else policy.touch  # type: ignore[attr-defined]
+        self._insert = policy.insert  # type: ignore[attr-defined]
+        self._victim = policy.victim  # type: ignore[attr-defined]
+        self._remove = policy.remove  # type: ignore[attr-defined]
+        self._update = policy.update  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -78,34 +89,39 @@ class ShadowCache:
                   capacity: int) -> bool:
         """The tier's page `key` (a `Node`'s fields) was stored or used: True if the shadow held
         it (a hit). A miss adds the key, then evicts by the policy down to `capacity` pages."""
-        page = self.pages.get(key)
-        policy = self.policy
+        pages = self.pages
+        page = pages.get(key)
         if page is not None:
             if page.tick == tick:
                 return False  # the same request again (its fetch, then its store)
             page.tick = tick
             page.hits += 1
             page.last_access = last_access
-            policy.touch(page)  # type: ignore[attr-defined]
+            touch = self._touch
+            if touch is not None:
+                touch(page)
             return True
-        parent = self.pages.get(parent_key) if parent_key is not None else None
-        page = self.pages[key] = ShadowPage(key, parent, tail, last_access, tick)
-        page.tier_kids[self.tier] = 0
+        tier = self.tier
+        parent = pages.get(parent_key) if parent_key is not None else None
+        page = pages[key] = ShadowPage(key, parent, tail, last_access, tick, tier)
         if parent is not None:
-            parent.tier_kids[self.tier] += 1
-        policy.insert(page)  # type: ignore[attr-defined]
-        while len(self.pages) > capacity:
-            victim = policy.victim()  # type: ignore[attr-defined]
-            if victim is None:
-                break
-            self._drop(victim)
+            parent.tier_kids[tier] += 1
+        self._insert(page)
+        if len(pages) > capacity:
+            victim_of, remove, update = self._victim, self._remove, self._update
+            while len(pages) > capacity:
+                victim = victim_of()
+                if victim is None:
+                    break
+                # Drop it: out of the policy and the shadow; its parent, if the shadow still
+                # holds that very page, has one child fewer (and may be a leaf now).
+                remove(victim)
+                del pages[victim.key]
+                up = victim.parent
+                if up is not None and pages.get(up.key) is up:
+                    kids = up.tier_kids
+                    left = kids[tier] - 1
+                    kids[tier] = left
+                    if left == 0:
+                        update(up)
         return False
-
-    def _drop(self, page: ShadowPage) -> None:
-        self.policy.remove(page)  # type: ignore[attr-defined]
-        del self.pages[page.key]
-        parent = page.parent
-        if parent is not None and self.pages.get(parent.key) is parent:
-            parent.tier_kids[self.tier] -= 1
-            if parent.tier_kids[self.tier] == 0:
-                self.policy.update(parent)  # type: ignore[attr-defined]
