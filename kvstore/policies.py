@@ -160,13 +160,14 @@ class LRUTailPolicy(EvictionPolicy):
     empty and then `_heap` pops the entries in the one heap's order, and an int compares for the
     pair (bool, int) on every step of a push or pop. An entry whose page's priority changed since
     (last access, or tail) is re-ranked when it surfaces, as `touch_in_place` says.
-    A subclass that changes the ranking (priority, eligibility, leaf-first, touch in place) gets
-    the base class's one heap and methods (`__init_subclass__`).
+    A subclass that changes the ranking (priority, eligibility, leaf-first, touch in place) ranks
+    in the base class's one heap, by the base class's methods (`_split` False).
     """
 
     name = "lru-tail"
     leaf_first = True
     touch_in_place = True
+    _split = True  # the two heaps; False in a subclass that changes the ranking
 
     def __init__(self, tier: str):
         super().__init__(tier)
@@ -174,16 +175,16 @@ class LRUTailPolicy(EvictionPolicy):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if (cls.priority is not LRUTailPolicy.priority or cls.eligible is not EvictionPolicy.eligible
-                or not cls.leaf_first or not cls.touch_in_place):
-            for name in ("_push", "_compact", "insert", "victim"):
-                if getattr(cls, name) is getattr(LRUTailPolicy, name):
-                    setattr(cls, name, getattr(EvictionPolicy, name))
+        cls._split = (cls.priority is LRUTailPolicy.priority and cls.eligible is EvictionPolicy.eligible
+                      and cls.leaf_first and cls.touch_in_place)
 
     def priority(self, node: Node) -> Any:
         return (not node.tail, node.last_access)
 
     def _push(self, node: Node) -> None:
+        if not self._split:
+            EvictionPolicy._push(self, node)
+            return
         seq = next(self._seq)
         live = self._live
         live[node] = seq
@@ -201,6 +202,8 @@ class LRUTailPolicy(EvictionPolicy):
             heapify(heap)
 
     def victim(self) -> Node | None:
+        if not self._split:
+            return EvictionPolicy.victim(self)
         tails, fulls, live, tier = self._tails, self._heap, self._live, self.tier
         while True:
             full = not tails
