@@ -55,35 +55,41 @@ HEADER_CACHE_ENTRIES = 4096  # decoded headers kept (a header is its token ids p
 
 
 class _ReadWriteLock:
-    """Many readers or one map resizer: LMDB's set_mapsize needs no open transaction."""
+    """Many readers or one map resizer: LMDB's set_mapsize needs no open transaction in the
+    process. Reads take it on every batch and resizes are rare, so a reader takes one plain
+    mutex twice and notifies only when a resizer waits; a waiting resizer holds new readers
+    back (a steady stream of reads cannot starve it)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._mutex = threading.Lock()
+        self._changed = threading.Condition(self._mutex)  # readers reached 0, or the resizer is done
         self._readers = 0
-        self._writer = False
+        self._writer = False  # a resizer holds it or waits for it
 
     def acquire_read(self) -> None:
-        with self._cond:
+        with self._mutex:
             while self._writer:
-                self._cond.wait()
+                self._changed.wait()
             self._readers += 1
 
     def release_read(self) -> None:
-        with self._cond:
+        with self._mutex:
             self._readers -= 1
-            if not self._readers:
-                self._cond.notify_all()
+            if self._writer and not self._readers:
+                self._changed.notify_all()
 
     def acquire_write(self) -> None:
-        with self._cond:
-            while self._writer or self._readers:
-                self._cond.wait()
+        with self._mutex:
+            while self._writer:  # one resizer at a time (only the writer thread resizes)
+                self._changed.wait()
             self._writer = True
+            while self._readers:
+                self._changed.wait()
 
     def release_write(self) -> None:
-        with self._cond:
+        with self._mutex:
             self._writer = False
-            self._cond.notify_all()
+            self._changed.notify_all()
 
 
 class DiskTier(RecordTier):
@@ -123,8 +129,8 @@ class DiskTier(RecordTier):
         self._pending_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_pages)
         self._failed: list[bytes] = []
-        # key -> (header bytes, decoded header, its record without payload): `_header`
-        self._headers: dict[bytes, tuple[bytes, dict, PageRecord]] = {}
+        # key -> (header bytes, what `_header` decoded from them)
+        self._headers: dict[bytes, tuple[bytes, tuple[PageRecord, str, int, int]]] = {}
         self.corrupt_records = 0
         self.write_errors = 0
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
@@ -178,16 +184,20 @@ class DiskTier(RecordTier):
 
     def _read_batch(self, keys: list[bytes],
                     landings: Mapping[bytes, Landing] | None) -> dict[bytes, PageRecord | None]:
-        records: dict[bytes, PageRecord | None] = {}
-        to_read = []
-        with self._pending_lock:  # a key whose last write is still queued is answered from `_pending`
-            for key in keys:
-                pending = self._pending.get(key)
-                if pending is None:
-                    records[key] = None
-                    to_read.append(key)
-                else:
-                    records[key] = None if pending is _DELETE else pending  # type: ignore[assignment]
+        records: dict[bytes, PageRecord | None] = dict.fromkeys(keys)
+        to_read = keys
+        # A key whose last write is still queued is answered from `_pending`. Tested without the
+        # lock first (one dict test; under the GIL it is either empty or not): when it is empty,
+        # every write `put` has returned for is committed, so the transaction below sees it.
+        if self._pending:
+            to_read = []
+            with self._pending_lock:
+                for key in keys:
+                    pending = self._pending.get(key)
+                    if pending is None:
+                        to_read.append(key)
+                    elif pending is not _DELETE:
+                        records[key] = pending  # type: ignore[assignment]
         bad: list[tuple[bytes, str]] = []
         txn: lmdb.Transaction | None = None
         self._rw.acquire_read()
@@ -216,53 +226,54 @@ class DiskTier(RecordTier):
 
     def _read(self, txn: lmdb.Transaction, key: bytes, landing: Landing | None) -> PageRecord | None:
         """One record out of a read transaction with buffers; raises CorruptRecord. An
-        uncompressed payload is checksummed where it was copied to, piece by piece as each lands
-        (in cache then; the map's bytes are read once): the bytes verified are the bytes served."""
+        uncompressed payload is checksummed where it was copied to, right after the copy (in
+        cache then; the map's bytes are read once): the bytes verified are the bytes served."""
         meta = txn.get(key, db=self._meta)
         if meta is None:
             return None
         payload = txn.get(key, db=self._data)
-        header, head = self._header(key, meta)
-        if payload is None or len(payload) != header["size"]:
+        head, compression, size, checksum = self._header(key, meta)
+        if payload is None or len(payload) != size:
             raise CorruptRecord("payload size mismatch")
-        if header["comp"] == "zstd":
-            if payload_checksum(payload) != header["checksum"]:
+        if compression == "zstd":
+            if payload_checksum(payload) != checksum:
                 raise CorruptRecord("payload checksum mismatch")
             return head.with_payload(zstandard.ZstdDecompressor().decompress(payload))
-        if landing is not None and landing.rows.nbytes == len(payload) and landing.accepts(head):
+        if landing is not None and landing.rows.nbytes == size and landing.accepts(head):
             rows = landing.rows
             np.copyto(rows, np.frombuffer(payload, dtype=np.uint8).reshape(rows.shape))
-            if rows.flags.c_contiguous:
-                checksum = payload_checksum(rows)
+            if rows.flags.c_contiguous:  # one piece (a one-page answer, or a single row)
+                served = payload_checksum(rows)
             else:  # the streaming xxh3-64, row by row: the same digest over the same bytes
                 digest = payload_digest()
                 deque(map(digest.update, rows), maxlen=0)  # each row in order, no Python loop per row
-                checksum = digest.intdigest()
-            if checksum != header["checksum"]:
+                served = digest.intdigest()
+            if served != checksum:
                 raise CorruptRecord("payload checksum mismatch")
             return head.with_payload(landing)
-        copy = torch.empty(len(payload), dtype=torch.uint8)
+        copy = torch.empty(size, dtype=torch.uint8)
         copied = copy.numpy()
         np.copyto(copied, np.frombuffer(payload, dtype=np.uint8))
-        if payload_checksum(copied) != header["checksum"]:
+        if payload_checksum(copied) != checksum:
             raise CorruptRecord("payload checksum mismatch")
         return head.with_payload(copy)
 
-    def _header(self, key: bytes, meta: memoryview) -> tuple[dict, PageRecord]:
-        """The decoded header of `key` and its record (payload None). Decoding (crc32, msgpack,
-        field checks) is remembered per key with the header bytes it was decoded from: it is a
-        function of those bytes, so a record whose header changed on disk in any byte is decoded
-        and checked afresh, and the payload checksum is still verified on every read."""
+    def _header(self, key: bytes, meta: memoryview) -> tuple[PageRecord, str, int, int]:
+        """What a read needs of `key`'s header: its record (payload None), compression, stored
+        size and payload checksum. Decoding (crc32, msgpack, field checks) is remembered per key
+        with the header bytes it was decoded from: it is a function of those bytes, so a record
+        whose header changed on disk in any byte is decoded and checked afresh, and the payload
+        checksum is still verified on every read."""
         value = bytes(meta)  # then compared as bytes: a memoryview compares byte by byte
         cached = self._headers.get(key)
         if cached is not None and cached[0] == value:
-            return cached[1], cached[2]
+            return cached[1]
         header = decode_header(value, key)
-        head = header_to_record(header)
+        found = (header_to_record(header), header["comp"], header["size"], header["checksum"])
         if len(self._headers) >= HEADER_CACHE_ENTRIES:
             self._headers.clear()  # bounded, no recency bookkeeping: a re-read decodes again
-        self._headers[key] = (value, header, head)
-        return header, head
+        self._headers[key] = (value, found)
+        return found
 
     def __contains__(self, key: bytes) -> bool:
         with self._pending_lock:
