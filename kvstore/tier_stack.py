@@ -216,13 +216,19 @@ class TierStack:
         runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
         landings: dict[bytes, Landing] = {}
         answer = _answer_rows(spec, out) if spec is not None and out is not None else None
+        if answer is not None:  # a page's slice of a row: its tokens' H * D * itemsize bytes each
+            slice_token_bytes = spec.bytes_per_token // (2 * spec.num_layers)  # type: ignore[union-attr]
         nbytes = 0
         for node, first, used, tier, slot in reads:
             if slot is not None:
                 continue
             batching = self.tiers[tier].batched_reads
             if batching and answer is not None and first >= start and used == node.num_tokens:
-                landings[node.key] = self._landing(spec, node, answer, first - start)  # type: ignore[arg-type]
+                # Where its uncompressed payload (L, 2, n, H, D) goes: of every row of the answer,
+                # the bytes of its tokens (first - start .. + n).
+                lo = (first - start) * slice_token_bytes
+                landings[node.key] = Landing(answer[:, lo:lo + used * slice_token_bytes],
+                                             partial(_lands_raw, spec, node))
             if not runs or runs[-1][0] != tier or not batching:
                 runs.append((tier, [[]]))
                 nbytes = 0
@@ -266,13 +272,6 @@ class TierStack:
         page = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype], device=out.device)  # (L, 2, n, H, D)
         codec.decode(spec, data, n, page)
         return page
-
-    def _landing(self, spec: ModelSpec, node: Node, answer: np.ndarray, offset: int) -> Landing:
-        """Where `node`'s uncompressed payload (L, 2, n, H, D) goes in the answer: of its rows
-        (`_answer_rows`, one a layer and K or V), the bytes of tokens offset .. offset + n."""
-        slice_token_bytes = spec.bytes_per_token // (2 * spec.num_layers)  # H * D * itemsize
-        lo = offset * slice_token_bytes
-        return Landing(answer[:, lo:lo + node.num_tokens * slice_token_bytes], partial(_lands_raw, spec, node))
 
     # -- TierMover: Placement calls these under the store lock ---------------------------
     def copy_down(self, node: Node, src: str, dst: str) -> bool:
@@ -359,9 +358,11 @@ def _describes(spec: ModelSpec, node: Node, record: PageRecord) -> bool:
 
 
 def _lands_raw(spec: ModelSpec, node: Node, record: PageRecord) -> bool:
-    """A record header whose payload may go straight into the answer: `node`'s page, its
-    payload the raw KV bytes (L, 2, n, H, D) in the answer's dtype."""
-    return record.codec == "none" and record.dtype == spec.dtype and _describes(spec, node, record)
+    """A record header whose payload may go straight into the answer: `node`'s page (what
+    `_describes` tests, spelled out: this runs once a page on every landed read), its payload the
+    raw KV bytes (L, 2, n, H, D) in the answer's dtype."""
+    return (record.codec == "none" and record.dtype == spec.dtype and record.tokens == node.tokens
+            and record.shape == spec.kv_shape(node.num_tokens))
 
 
 def _answer_rows(spec: ModelSpec, out: Any) -> np.ndarray | None:

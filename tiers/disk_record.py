@@ -33,10 +33,10 @@ def payload_checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def payload_digest() -> xxhash.xxh3_64:
-    """The streaming form of `payload_checksum`: `update` it piece by piece, in order; its
-    `intdigest()` is the same checksum."""
-    return xxhash.xxh3_64()
+# The streaming form of `payload_checksum`: `payload_digest()`, then `update` it piece by piece,
+# in order; its `intdigest()` is the same checksum. The class itself, not a function making one:
+# a disk read makes one per page.
+payload_digest = xxhash.xxh3_64
 
 
 def encode_header(record: PageRecord, *, compression: str, stored_payload) -> bytes:

@@ -25,7 +25,6 @@ page it lost). What it does not do: talk RESP (the reader does) or decode compre
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -43,13 +42,20 @@ if TYPE_CHECKING:  # the store's tier stack imports Landing without loading redi
 MAX_LANDING_HEADER_BYTES = 1 << 20  # a page's header is its token ids plus ~150 bytes
 
 
-@dataclass(frozen=True)
 class Landing:
-    # (rows, row bytes) uint8, writable, each row contiguous (rows may be strided apart): the
-    # payload's bytes in row order. A numpy view, not byte views per row: one is sliced per page
-    # out of the answer's (L x 2, answer row bytes) view, and a copy into it is one np.copyto.
-    rows: np.ndarray
-    accepts: Callable[[PageRecord], bool]  # the header (payload None): receive into rows?
+    """Where one record's payload may go, and whether its header may go there. Made once a page
+    on every fetch that lands payloads: a class with slots, whose constructor costs less than a
+    frozen dataclass's. Treated as immutable."""
+
+    __slots__ = ("rows", "accepts")
+
+    def __init__(self, rows: np.ndarray, accepts: Callable[[PageRecord], bool]):
+        # (rows, row bytes) uint8, writable, each row contiguous (rows may be strided apart):
+        # the payload's bytes in row order. A numpy view, not byte views per row: one is sliced
+        # per page out of the answer's (L x 2, answer row bytes) view, and a copy into it is one
+        # np.copyto.
+        self.rows = rows
+        self.accepts = accepts  # the header (payload None): receive into rows?
 
     @property
     def nbytes(self) -> int:
