@@ -49,7 +49,7 @@ class EvictionPolicy:
     def __init__(self, tier: str):
         self.tier = tier
         self._heap: list[tuple[Any, int, Node]] = []
-        self._live: dict[Node, int] = {}
+        self._live: dict[Node, int] = {}  # never rebound: `duel` holds its first ranking's
         self._seq = itertools.count()
 
     def priority(self, node: Node) -> Any:
