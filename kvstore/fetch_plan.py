@@ -29,6 +29,7 @@ from kvstore.results import FetchResult
 from kvstore.store_state import StoreState, empty_kv
 from kvstore.tiers.base import PageRecord
 from kvstore.tiers.redis_landing import Landing
+from kvstore.validation import CPU
 
 # (page, first token, tokens used, tier, source). The source: a raw page in host memory as a flat
 # numpy uint8 view of its slot (copied with numpy), an encoded slot (its codec decodes it), or
@@ -76,11 +77,18 @@ class FetchPlan:
         # The answer, (L, 2, T, H, D): on the host, a numpy array (raw pages are copied into
         # numpy views of it: a numpy slice costs a fraction of a torch one) and the torch tensor
         # over the same memory, for pages a codec decodes and for the caller.
+        # Raw pages are copied as bytes: the answer as (L * 2) rows of T tokens' bytes, a page's
+        # slot as (L * 2) rows of its n tokens' bytes, so a page is one column range of the
+        # answer's rows, and its copy takes two numpy views, not five.
+        rows, bytes_per_token = spec.num_layers * 2, spec.bytes_per_token
+        row_bytes = bytes_per_token // rows  # one token's bytes in one (layer, K or V) row
         out_array: np.ndarray | None = None
-        if dev.type == "cpu":
+        out_rows: np.ndarray | None = None
+        if dev is CPU or dev.type == "cpu":  # torch.device.type builds a new string on every read (validation.CPU)
             into = self.into
-            flat = into.numpy()[:self.nbytes] if into is not None and into.numel() >= self.nbytes \
-                else empty_host_bytes(self.nbytes)
+            nbytes = self.nbytes
+            flat = into.numpy()[:nbytes] if into is not None and into.numel() >= nbytes else empty_host_bytes(nbytes)
+            out_rows = flat.reshape(rows, nbytes // rows)
             out_array = flat.view(NUMPY_DTYPES[spec.dtype]).reshape(shape)
             out = torch.from_numpy(out_array)
             if out.dtype != dtype:
@@ -98,11 +106,15 @@ class FetchPlan:
             for node, first, used, tier, src in self.reads:
                 lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
                 a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
-                if src.__class__ is np.ndarray and out_array is not None:  # a raw page in host memory
-                    n = node.num_tokens
-                    page_array = src[:n * spec.bytes_per_token].view(out_array.dtype).reshape(spec.kv_shape(n))
-                    np.copyto(out_array[:, :, a:b], page_array[:, :, lo - first:used] if b - a < n else page_array,
-                              casting="no")
+                if src.__class__ is np.ndarray and out_rows is not None:  # a raw page in host memory
+                    n = len(node.tokens) // TOKEN_BYTES
+                    page_bytes = n * bytes_per_token
+                    if src.size != page_bytes:  # a slot is aligned: a short page's is longer than its bytes
+                        src = src[:page_bytes]
+                    page_rows = src.reshape(rows, page_bytes // rows)
+                    if lo > first or used < n:  # part of the page: its tokens [lo - first, used)
+                        page_rows = page_rows[:, (lo - first) * row_bytes:used * row_bytes]
+                    np.copyto(out_rows[:, a * row_bytes:b * row_bytes], page_rows)
                     page: torch.Tensor | bool | None = True
                 else:
                     whole = lo == first and used == node.num_tokens
@@ -157,8 +169,9 @@ class FetchPlan:
             return False
 
     def _unpin(self) -> None:
+        unpin = self.state.placement.unpin
         for node in self.path:
-            self.state.placement.unpin(node)
+            unpin(node)
 
 
 def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device, *,
@@ -187,14 +200,18 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
         reads: list[Read] = []
         needs_io = False
         offset = 0
-        host = dev.type == "cpu"
+        host = dev is CPU or dev.type == "cpu"
+        matched = match.matched_tokens
+        pin, touch, source_tier, usage = placement.pin, placement.touch, tiers.source_tier, placement.usage
         for node in match.path:
-            used = min(node.num_tokens, match.matched_tokens - offset)
-            placement.pin(node)
-            placement.touch(node, clock)
-            tier = tiers.source_tier(node)
+            used = len(node.tokens) // TOKEN_BYTES
+            if used > matched - offset:
+                used = matched - offset
+            pin(node)
+            touch(node, clock)
+            tier = source_tier(node)
             if offset + used > start:
-                placement.usage[tier].hits += 1
+                usage[tier].hits += 1
                 node.hits += 1
                 src = tiers.raw_slot(tier, node.key) if host else None
                 if src is None:

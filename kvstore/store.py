@@ -37,11 +37,10 @@ from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.shared_probe import probe_shared
 from kvstore.store_state import StoreState
 from kvstore.store_stats import store_stats
-from kvstore.validation import (check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
+from kvstore.validation import (CPU, check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
                                 check_start_pos, token_bytes)
 
 MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
-CPU = torch.device("cpu")
 
 
 class KVStore:

@@ -20,6 +20,7 @@ from kvstore.index import TOKEN_BYTES
 from kvstore.keys import MAX_TOKEN_ID
 
 _INT32_LE = np.dtype("<i4")
+CPU = torch.device("cpu")  # the device of every host fetch: one object, so `dev is CPU` is the cheap test
 SMALL_TOKEN_LIST = 64  # token lists up to this long are range-checked without numpy
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,199}$")
 
@@ -147,7 +148,8 @@ def check_into(into: Any, dev: torch.device) -> torch.Tensor | None:
         return None
     if not (isinstance(into, torch.Tensor) and into.dtype == torch.uint8 and into.dim() == 1 and into.is_contiguous()):
         raise InvalidRequest(f"into: expected a flat contiguous uint8 tensor, got {_describe(into)}", field="into")
-    if into.device != dev or dev.type != "cpu":
+    # torch.device.type builds a new string on every read: the common case is the one object
+    if not (into.is_cpu and (dev is CPU or dev.type == "cpu")):
         raise InvalidRequest(f"into: must be on the answer's device, and that must be the CPU (into on {into.device}, "
                              f"device={dev})", field="into")
     return into
