@@ -31,10 +31,10 @@ from kvstore.tiers.base import PageRecord
 from kvstore.tiers.redis_landing import Landing
 from kvstore.validation import CPU
 
-# (page, first token, tokens used, tier, source). The source: a raw page in host memory as a flat
-# numpy uint8 view of its slot (copied with numpy), an encoded slot (its codec decodes it), or
-# None: a record, read from its record tier (I/O).
-Read = tuple[Node, int, int, str, "np.ndarray | torch.Tensor | None"]
+# (page, first token, tokens used, tier, source). The source: a raw page in host memory as its
+# slot's (offset, size) in the tier's numpy buffer (`TierStack.raw_buffers`: copied with numpy),
+# an encoded slot (its codec decodes it), or None: a record, read from its record tier (I/O).
+Read = tuple[Node, int, int, str, "tuple[int, int] | torch.Tensor | None"]
 
 
 class FetchPlan:
@@ -80,8 +80,8 @@ class FetchPlan:
         # Raw pages are copied as bytes: the answer as (L * 2) rows of T tokens' bytes, a page's
         # slot as (L * 2) rows of its n tokens' bytes, so a page is one column range of the
         # answer's rows, and its copy takes two numpy views, not five.
-        rows, bytes_per_token = spec.num_layers * 2, spec.bytes_per_token
-        row_bytes = bytes_per_token // rows  # one token's bytes in one (layer, K or V) row
+        rows = spec.num_layers * 2
+        row_bytes = spec.bytes_per_token // rows  # one token's bytes in one (layer, K or V) row
         out_array: np.ndarray | None = None
         out_rows: np.ndarray | None = None
         if dev is CPU or dev.type == "cpu":  # torch.device.type builds a new string on every read (validation.CPU)
@@ -102,19 +102,15 @@ class FetchPlan:
         records: dict[bytes, PageRecord | None] = {}
         stream = None
         promote_on_hit = state.config.promote_on_hit
+        reads = self.reads
+        copied = 0  # the reads before this one are in the answer already
         try:
-            for node, first, used, tier, src in self.reads:
+            for i, (node, first, used, tier, src) in enumerate(reads):
                 lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
                 a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
-                if src.__class__ is np.ndarray and out_rows is not None:  # a raw page in host memory
-                    n = len(node.tokens) // TOKEN_BYTES
-                    page_bytes = n * bytes_per_token
-                    if src.size != page_bytes:  # a slot is aligned: a short page's is longer than its bytes
-                        src = src[:page_bytes]
-                    page_rows = src.reshape(rows, page_bytes // rows)
-                    if lo > first or used < n:  # part of the page: its tokens [lo - first, used)
-                        page_rows = page_rows[:, (lo - first) * row_bytes:used * row_bytes]
-                    np.copyto(out_rows[:, a * row_bytes:b * row_bytes], page_rows)
+                if src.__class__ is tuple and out_rows is not None:  # a raw page in host memory
+                    if i >= copied:
+                        copied = copy_raw_pages(reads, i, start, tiers.raw_buffers, out_rows, row_bytes)
                     page: torch.Tensor | bool | None = True
                 else:
                     whole = lo == first and used == node.num_tokens
@@ -172,6 +168,43 @@ class FetchPlan:
         unpin = self.state.placement.unpin
         for node in self.path:
             unpin(node)
+
+
+def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.ndarray], out_rows: np.ndarray,
+                   row_bytes: int) -> int:
+    """Copy read `i`, a raw page in host memory, into the answer's rows (L * 2, T * row_bytes),
+    and with it, in the same numpy call, the whole pages after it that lie right after it in the
+    same buffer (a sequence stored at once usually does): -> the index of the first read not
+    copied. Slot ranges come from the plan: the pages are pinned."""
+    node, first, used, tier, (offset, size) = reads[i]
+    n = len(node.tokens) // TOKEN_BYTES
+    rows = out_rows.shape[0]
+    page_width = n * row_bytes  # a page's bytes in one row
+    buffer = buffers[tier]
+    lo = first if first >= start else start
+    a = lo - start
+    j = i + 1
+    if lo == first and used == n and size == rows * page_width:  # whole, and its slot is exactly its bytes
+        end = offset + size
+        while j < len(reads):  # whole pages of the same size at the next offsets (full pages: only a tail is short)
+            _, _, next_used, next_tier, next_src = reads[j]
+            if next_src.__class__ is not tuple or next_src[0] != end or next_src[1] != size \
+                    or next_tier != tier or next_used != n:
+                break
+            end += size
+            j += 1
+        if j - i > 1:
+            k = j - i
+            # (k pages, rows, width) of the buffer, read row by row into the answer's rows, where
+            # the k pages are k consecutive widths (a view: copy=False raises rather than copy).
+            np.copyto(out_rows[:, a * row_bytes:(a + k * n) * row_bytes].reshape(rows, k, page_width, copy=False),
+                      buffer[offset:end].reshape(k, rows, page_width).transpose(1, 0, 2))
+            return j
+    page_rows = buffer[offset:offset + rows * page_width].reshape(rows, page_width)  # a slot may be longer (aligned)
+    if lo > first or used < n:  # part of the page: its tokens [lo - first, used)
+        page_rows = page_rows[:, (lo - first) * row_bytes:used * row_bytes]
+    np.copyto(out_rows[:, a * row_bytes:(first + used - start) * row_bytes], page_rows)
+    return j
 
 
 def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device, *,

@@ -76,6 +76,9 @@ class TierStack:
         self.raw_host = frozenset(name for name, tier in self.tiers.items()
                                   if getattr(tier, "buffer_array", None) is not None
                                   and self.codecs[name].name == "none")
+        # Their buffers as flat numpy uint8 arrays, which `raw_slot`'s ranges index.
+        self.raw_buffers: dict[str, np.ndarray] = {name: self.tiers[name].buffer_array  # type: ignore[attr-defined]
+                                                   for name in self.raw_host}
 
     def close(self) -> None:
         for tier in reversed(self.tiers.values()):  # record tiers first: their writers drain
@@ -89,10 +92,10 @@ class TierStack:
         holder = self.tiers[tier]
         return holder.get(key) if holder.keeps_slots else None
 
-    def raw_slot(self, tier: str, key: bytes) -> np.ndarray | None:
-        """The slot of page `key` as a flat numpy uint8 view, where `tier` keeps pages raw in host
-        memory (`raw_host`); None elsewhere (use `slot` and the codec)."""
-        return self.tiers[tier].get_array(key) if tier in self.raw_host else None  # type: ignore[attr-defined]
+    def raw_slot(self, tier: str, key: bytes) -> tuple[int, int] | None:
+        """Where page `key` lies in `raw_buffers[tier]`, (offset, slot size), if `tier` keeps
+        pages raw in host memory (`raw_host`); None elsewhere (use `slot` and the codec)."""
+        return self.tiers[tier].get_range(key) if tier in self.raw_host else None  # type: ignore[attr-defined]
 
     def keeps_slots(self, tier: str) -> bool:
         return self.tiers[tier].keeps_slots

@@ -153,14 +153,11 @@ class SlotBufferTier(SlotTier):
         offset, size = slot
         return self.buffer[offset:offset + size]
 
-    def get_array(self, key: bytes) -> np.ndarray | None:
-        """`get` as a numpy uint8 view, for a buffer in host memory; None elsewhere or when absent."""
-        array = self.buffer_array
-        slot = self._slots.get(key) if array is not None else None
-        if slot is None:
-            return None
-        offset, size = slot
-        return array[offset:offset + size]
+    def get_range(self, key: bytes) -> tuple[int, int] | None:
+        """(offset, slot size) of `key`'s slot in `buffer`, or None. The store reads a page of a
+        buffer in host memory from `buffer_array` at this range: pages next to each other in
+        the buffer are copied with one numpy call."""
+        return self._slots.get(key)
 
     def allocate_array(self, key: bytes, nbytes: int) -> np.ndarray:
         """`allocate` as a numpy uint8 view of `nbytes`, for a buffer in host memory. Raises TierFull."""
