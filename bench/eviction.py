@@ -23,7 +23,7 @@ from dataclasses import fields
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `kvstore` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: an older kvstore there wins
 
 from tqdm import tqdm
 

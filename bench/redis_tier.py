@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH: an older kvstore there wins
 
 import redis  # noqa: E402
 import torch  # noqa: E402
