@@ -23,11 +23,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: system-deps $(VENV)/.installed
 
-# redis-server backs the Redis tier's tests and the Redis column of bench/api.py.
+# redis-server backs the Redis tier's tests and the Redis column of bench/api.py; valgrind
+# counts the instructions of bench/instructions.py.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@command -v redis-server >/dev/null 2>&1 && command -v valgrind >/dev/null 2>&1 || { \
 	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server valgrind; }
 
 serve: install
 	$(VENV)/bin/kvstore serve --data-dir ./kvstore-data

@@ -1,0 +1,134 @@
+"""Instructions per store operation, counted by valgrind: a measure of fixed costs that noise cannot move.
+
+On a shared machine a one-page fetch's time moves by tens of percent between runs, more than most
+single changes to its Python path are worth. The number of instructions it executes does not move:
+this script runs each case in a child process under callgrind with counting switched on only
+around its loop (`callgrind_control -i on/off`), so start-up and set-up are not counted, and
+prints instructions per operation.
+
+A copy's instructions say little about its time (valgrind counts `rep movsb` once per byte), so
+each case also counts a plain `np.copyto` of the same bytes, and the column that matters is the
+difference: the instructions the operation executes besides copying its bytes.
+
+    python bench/instructions.py                         # this checkout
+    python bench/instructions.py --before-site OLD_SITE  # an importable copy of older code too
+
+Needs valgrind (`apt-get install -y valgrind`); a run takes about a minute per case and side.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CASES = ("fetch-64KiB", "store-64KiB", "fetch-into-2MiB")
+
+# The child: builds a store as bench/ops.py does (a 64 MiB CPU tier filled first, so a store
+# evicts), says "ready PID", waits for a line on stdin, runs the case N times, says "done",
+# waits again. The parent switches counting on and off in between.
+CHILD = r"""
+import gc, os, sys
+import numpy as np, torch
+import kvstore
+from kvstore import KVStore, ModelSpec, StoreConfig
+case, n, data_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+gc.freeze(); gc.set_threshold(50_000); torch.set_num_threads(1)
+spec64 = ModelSpec(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
+spec512 = ModelSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
+store = KVStore(StoreConfig(data_dir=data_dir, cpu_bytes=64 << 20, disk_bytes=0))
+store.register_model("m64", spec64); store.register_model("m512", spec512)
+kv64 = torch.randn(spec64.kv_shape(16)).half()
+for i in range(1100):
+    store.store("m64", [10**6 + i] * 16, kv64)
+tokens64 = list(range(16)); store.store("m64", tokens64, kv64)
+tokens2m = list(range(64)); kv2m = torch.randn(spec512.kv_shape(64)).half(); store.store("m512", tokens2m, kv2m)
+into = torch.zeros(4 << 20, dtype=torch.uint8)
+if store.fetch("m64", tokens64).matched_tokens != 16 or store.fetch("m512", tokens2m, into=into).matched_tokens != 64:
+    raise SystemExit("the stored values do not come back")
+nbytes = {"fetch-64KiB": 64 << 10, "store-64KiB": 64 << 10, "fetch-into-2MiB": 2 << 20}[case.removeprefix("memcpy-")]
+src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+counter = iter(range(2 * 10**6, 10**9))
+ops = {
+    "fetch-64KiB": lambda: store.fetch("m64", tokens64),
+    "store-64KiB": lambda: store.store("m64", [next(counter)] * 16, kv64),
+    "fetch-into-2MiB": lambda: store.fetch("m512", tokens2m, into=into),
+}
+op = ops.get(case) or (lambda: np.copyto(dst, src))
+print("ready", os.getpid(), kvstore.__file__, flush=True)
+sys.stdin.readline()
+for _ in range(n):
+    op()
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def count(case: str, n: int, site: str | None) -> tuple[float, str]:
+    """Instructions per call of `case` (n calls), and the kvstore the child imported."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # this checkout: the installed (editable) kvstore
+    if site:
+        env["PYTHONPATH"] = site  # an older copy, first on the path
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "callgrind.log"
+        child = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={log}",
+             f"--callgrind-out-file={Path(tmp) / 'callgrind.out'}", sys.executable, "-c", CHILD,
+             case, str(n), str(Path(tmp) / "store")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=tmp)
+        try:
+            ready = child.stdout.readline().split()  # type: ignore[union-attr]
+            if not ready or ready[0] != "ready":
+                raise SystemExit(f"{case}: the child did not start (see {log})")
+            pid, imported = ready[1], ready[2]
+            subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
+            say(child, "go")
+            if child.stdout.readline().strip() != "done":  # type: ignore[union-attr]
+                raise SystemExit(f"{case}: the child failed (see {log})")
+            subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
+            say(child, "exit")
+            child.wait(timeout=300)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        found = re.search(r"Collected\s*:\s*([\d,]+)", log.read_text())
+        if found is None:
+            raise SystemExit(f"{case}: no instruction count in valgrind's log")
+        return int(found.group(1).replace(",", "")) / n, imported
+
+
+def say(child: subprocess.Popen, line: str) -> None:
+    child.stdin.write(line + "\n")  # type: ignore[union-attr]
+    child.stdin.flush()  # type: ignore[union-attr]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--calls", type=int, default=300, help="calls counted per case (default 300)")
+    parser.add_argument("--before-site", metavar="DIR", help="an importable copy of older code, counted first")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind is not installed: apt-get install -y valgrind")
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    sites = ([("before", args.before_site)] if args.before_site else []) + [("this checkout", None)]
+    print("| case | code | instructions per call | of them besides the copy (a np.copyto of the same bytes) |")
+    print("|---|---|---|---|")
+    for case in cases:
+        copy, _ = count(f"memcpy-{case}", args.calls, None)
+        for label, site in sites:
+            per_call, imported = count(case, args.calls, site)
+            where = Path(imported).parent
+            print(f"| {case} | {label} ({where}) | {per_call:,.0f} | {per_call - copy:,.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
