@@ -36,8 +36,22 @@ def host_array(t: torch.Tensor) -> np.ndarray | None:
     """`t` as a numpy array sharing its memory (bfloat16 as int16: `NUMPY_DTYPES`) when it is on
     the CPU, else None. The store's per-page copies slice these: a numpy view is several times
     cheaper to make than a torch view (docs/performance.md)."""
-    if t.is_cpu and t.element_size() in _SAME_WIDTH_INT and not t.requires_grad:
-        return _as_numpy(t)
+    if t.is_cpu and not t.requires_grad:
+        if t.dtype in _NUMPY_NATIVE:  # `_as_numpy`, inline: every store comes here
+            return t.numpy()
+        same_width = _SAME_WIDTH_INT.get(t.element_size())
+        if same_width is not None:
+            return t.view(same_width).numpy()
+    return None
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """The bytes of a contiguous CPU tensor as a flat numpy uint8 array sharing its memory; None
+    for any other tensor. A page copied from these is a byte copy (no dtype, no shape to match)."""
+    if t.is_contiguous():
+        array = host_array(t)
+        if array is not None:
+            return array.ravel().view(np.uint8)  # ravel: a view, the array being contiguous
     return None
 
 

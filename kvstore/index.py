@@ -19,7 +19,7 @@ CacheBlend), hold no page and are never evicted. This module imports no torch, l
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 from os.path import commonprefix
 
@@ -175,33 +175,35 @@ class PageIndex:
     def insert(self, parent: Node, key: bytes, tokens: bytes, *, tail: bool = False) -> Node:
         """Add a page under `parent` (not yet ready: the caller marks it ready once written).
         `tail`: the page holds fewer tokens than a full page (policies may rank it apart)."""
-        assert key not in self.nodes, "insert of an existing key"
-        assert parent.is_root or parent.num_tokens > 0, "a page's parent is a page or a root"
+        nodes, by_tokens = self.nodes, parent.by_tokens
+        assert key not in nodes, "insert of an existing key"
+        assert parent.parent is None or parent.tokens, "a page's parent is a page or a root"
+        assert tokens not in by_tokens, "two siblings with the same tokens"
         node = Node(key, parent, tokens, parent.namespace)
         node.ready = False
         node.tail = tail
         parent.tail_kids += tail
-        self.nodes[key] = node
+        nodes[key] = node
         parent.children[key] = node
-        assert tokens not in parent.by_tokens, "two siblings with the same tokens"
-        parent.by_tokens[tokens] = node
-        kids = parent.kid_tokens
-        kids.insert(bisect_left(kids, tokens), tokens)
+        by_tokens[tokens] = node
+        insort(parent.kid_tokens, tokens)  # siblings' tokens differ: its place is bisect_left's
         return node
 
     def unlink(self, node: Node) -> None:
         """Remove one page (which must have no children left) from the tree."""
         assert not node.children, "unlink of a page that still has children"
         assert not node.tiers, "unlink of a page still held by a tier"
-        del self.nodes[node.key]
+        key, tokens = node.key, node.tokens
+        del self.nodes[key]
         parent = node.parent
         if parent is not None:
-            del parent.children[node.key]
-            del parent.by_tokens[node.tokens]
+            children = parent.children
+            del children[key]
+            del parent.by_tokens[tokens]
             parent.tail_kids -= node.tail
             kids = parent.kid_tokens
-            del kids[bisect_left(kids, node.tokens)]
-            if parent.is_root and not parent.children:
+            del kids[bisect_left(kids, tokens)]
+            if parent.parent is None and not children:  # a root left without pages
                 self.roots.pop(parent.key, None)
 
     def subtree(self, node: Node) -> list[Node]:

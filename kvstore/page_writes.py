@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvstore.config import ModelSpec
-from kvstore.copy import host_array
+from kvstore.copy import host_array, host_bytes
 from kvstore.errors import InsufficientStorage
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
@@ -49,40 +49,42 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
             return StoreResult(head.matched_tokens, 0)
         kv = torch.cat([head.kv.to(kv.device), kv], dim=2)
         start = page_start
-    tiers, placement = state.tiers, state.placement
+    tiers, placement, index = state.tiers, state.placement, state.index
     writes: list[tuple[Node, str, Any, int, int]] = []  # (page, tier, slot (tensor or numpy view) or None, first, end)
     path: list[Node] = []
     stored_tokens = 0
     with state.lock:
-        state.drain_lost_copies()
+        if tiers.losing:  # only record tiers lose copies on their own
+            state.drain_lost_copies()
         clock = state.tick()
-        parent = state.index.root(root_key, namespace)
+        parent = index.root(root_key, namespace)
+        # Every page comes through here: the calls it makes, bound once.
+        find, insert, reserve = index.nodes.get, index.insert, tiers.reserve
+        pin, touch, admit = placement.pin, placement.touch, placement.admit
         for s in range(0, n_tokens, P):
             e = min(s + P, n_tokens)
             ptoks = tb[s * TOKEN_BYTES:e * TOKEN_BYTES]
             key = page_key(parent.key, ptoks)
-            node = state.index.get(key) or (covering_sibling(parent, ptoks) if e - s < P else None)
+            node = find(key) or (covering_sibling(parent, ptoks) if e - s < P else None)
             if node is not None:
                 if node.parent is not parent or not node.tokens.startswith(ptoks) or not (node.ready or node.pins):
                     break  # a key collision or a page on its way out: stop here, store nothing wrong
-                placement.pin(node)
-                placement.touch(node, clock)
+                pin(node)
+                touch(node, clock)
                 path.append(node)
                 parent = node
                 stored_tokens = e
                 continue
             if s < start:
                 break  # the caller's prefix is no longer cached: nothing after it can chain
-            tier, nbytes, slot = tiers.reserve(spec, key, e - s, namespace)
+            tier, nbytes, slot = reserve(spec, key, e - s, namespace)
             if tier is None:
                 if not writes:
                     raise InsufficientStorage("store: no tier has room for a page (every page is pinned, "
                                               "or the tenant's max_bytes is below a page)")
                 break
-            node = state.index.insert(parent, key, ptoks, tail=e - s < P)
-            placement.pin(node)
-            placement.touch(node, clock)
-            placement.add(node, tier, nbytes)
+            node = insert(parent, key, ptoks, tail=e - s < P)
+            admit(node, tier, nbytes, clock)
             path.append(node)
             writes.append((node, tier, slot, s, e))
             parent = node
@@ -91,11 +93,25 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     shared = tiers.shared
     shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
     ok = False
-    kv_array = host_array(kv)
     token_bytes = spec.bytes_per_token
+    # A raw page in host memory (a numpy slot) is copied in by numpy: from contiguous KV as bytes
+    # (all of it, or the page's run of each row, a row being a layer's K or V), from strided KV
+    # through a typed view. Any other page goes through its tier's codec.
+    kv_bytes = host_bytes(kv) if writes else None
+    kv_array = host_array(kv) if writes and kv_bytes is None else None
+    rows = 2 * spec.num_layers
+    kv_rows = None
     try:
         for node, tier, slot, s, e in writes:
-            if slot.__class__ is np.ndarray and kv_array is not None:  # a raw page in host memory: numpy copies it in
+            if slot.__class__ is np.ndarray and kv_bytes is not None:
+                if s == start and e == n_tokens:  # the page is all of kv
+                    slot[:kv_bytes.size] = kv_bytes
+                else:
+                    if kv_rows is None:
+                        kv_rows, row_token_bytes = kv_bytes.reshape(rows, -1), token_bytes // rows
+                    slot[:(e - s) * token_bytes].reshape(rows, -1)[...] = \
+                        kv_rows[:, (s - start) * row_token_bytes:(e - start) * row_token_bytes]
+            elif slot.__class__ is np.ndarray and kv_array is not None:
                 np.copyto(slot[:(e - s) * token_bytes].view(kv_array.dtype).reshape(spec.kv_shape(e - s)),
                           kv_array[:, :, s - start:e - start], casting="no")
             else:
@@ -105,32 +121,35 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
         ok = True
     finally:
         with state.lock:
+            write_through = state.config.durability == "write-through"
             for node, tier, slot, s, e in writes:
                 if ok:
                     node.ready = True
-                    if state.config.durability == "write-through" and tier != tiers.persistent:
+                    if write_through and tier != tiers.persistent:
                         ticket = tiers.write_through(spec, node, kv[:, :, s - start:e - start])
                         if ticket is not None:
                             durable.append(ticket)
                     # After the write-through: the disk writer commits in queue order, so a
                     # crash never finds the shorter tail deleted and its replacement unwritten
                     # (an acknowledged sequence ending in that tail would lose its last tokens).
-                    drop_shadowed_tails(state, node)
+                    if node.parent.tail_kids:  # type: ignore[union-attr]  # only a tail is a proper prefix of a page
+                        drop_shadowed_tails(state, node)
                 else:
                     placement.remove_from(node, tier)
             for node, record in shares:  # queued, never waited for: Redis must not slow stores
                 if ok and node.ready and node.tiers and shared.name not in node.tiers:  # type: ignore[union-attr]
                     placement.add(node, shared.name, tiers.size_in(node, shared.name))  # type: ignore[union-attr]
                     shared.put(record)  # type: ignore[union-attr]
-            for node in path:
-                placement.unpin(node)
-            state.counters["stored_pages"] += len(writes) if ok else 0
-    for ticket in durable:
-        ticket.wait()
-    lost = sum(not ticket.ok for ticket in durable)
-    if lost:  # the disk refused the write (full): the pages are not durable, or not stored at all
-        raise InsufficientStorage(f"store: the disk tier could not write {lost} of the pages (disk full?); "
-                                  "they are not stored durably")
+            placement.unpin_all(path)
+            if ok:
+                state.counters["stored_pages"] += len(writes)
+    if durable:
+        for ticket in durable:
+            ticket.wait()
+        lost = sum(not ticket.ok for ticket in durable)
+        if lost:  # the disk refused the write (full): the pages are not durable, or not stored at all
+            raise InsufficientStorage(f"store: the disk tier could not write {lost} of the pages (disk full?); "
+                                      "they are not stored durably")
     return StoreResult(stored_tokens, len(writes))
 
 

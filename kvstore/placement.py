@@ -77,6 +77,8 @@ class Placement:
                  tenant_of: Callable[[bytes], str | None] | None = None):
         self.index = index
         self.order = [name for name, _ in tiers]  # top first
+        # Each tier's lower tiers, top first: where its victims are demoted to.
+        self._below = {name: self.order[i + 1:] for i, name in enumerate(self.order)}
         self.usage = {name: TierUsage(name, capacity) for name, capacity in tiers}
         make_policy: PolicyFactory = POLICIES[policy] if isinstance(policy, str) else policy
         self.policies: dict[str, EvictionPolicy] = {name: make_policy(name) for name in self.order}
@@ -134,29 +136,36 @@ class Placement:
             return None
         return self.tenant_policies.get((tier, self.tenant_of(node.namespace)))  # type: ignore[arg-type]
 
-    def _count_tenant(self, node: Node, tier: str, nbytes: int) -> None:
-        if tier in QUOTA_TIERS:
-            tenant = self.tenant_of(node.namespace)
-            if tenant is not None:
-                key = (tier, tenant)
-                self.tenant_bytes[key] = self.tenant_bytes.get(key, 0) + nbytes
-
     # -- bookkeeping -------------------------------------------------------------------------
     def add(self, node: Node, tier: str, nbytes: int) -> None:
-        assert tier not in node.tiers, f"{node} already in {tier}"
-        node.tiers[tier] = nbytes
+        held = node.tiers
+        assert tier not in held, f"{node} already in {tier}"
+        held[tier] = nbytes
         usage = self.usage[tier]
         usage.used_bytes += nbytes
         usage.pages += 1
         usage.saved_bytes += self.raw_size_in(node, tier) - nbytes
         parent = node.parent
-        if parent is not None and not parent.is_root:
-            parent.tier_kids[tier] = parent.tier_kids.get(tier, 0) + 1
+        if parent is not None and parent.parent is not None:  # a page, not a root
+            kids = parent.tier_kids
+            kids[tier] = kids.get(tier, 0) + 1
         self.policies[tier].insert(node)
-        self._count_tenant(node, tier, nbytes)
-        own = self._own_policy(node, tier)
-        if own is not None:
-            own.insert(node)
+        if tier in QUOTA_TIERS:  # `_count_tenant` and `_own_policy`, inline: every new page comes here
+            tenant = self.tenant_of(node.namespace)
+            if tenant is not None:
+                key = (tier, tenant)
+                self.tenant_bytes[key] = self.tenant_bytes.get(key, 0) + nbytes
+                own = self.tenant_policies.get(key)
+                if own is not None:
+                    own.insert(node)
+
+    def admit(self, node: Node, tier: str, nbytes: int, clock: int) -> None:
+        """A new page enters `tier`: pinned (it is written outside the lock), touched at `clock`
+        and added (`pin`, `touch`, `add`: a page in no tier yet has no policy to touch)."""
+        assert not node.tiers, f"{node} is not new"
+        node.pins += 1
+        node.last_access = clock
+        self.add(node, tier, nbytes)
 
     def _discard(self, node: Node, tier: str) -> None:
         nbytes = node.tiers.pop(tier)
@@ -164,51 +173,66 @@ class Placement:
         usage.used_bytes -= nbytes
         usage.pages -= 1
         usage.saved_bytes -= self.raw_size_in(node, tier) - nbytes
-        self.policies[tier].remove(node)
-        self._count_tenant(node, tier, -nbytes)
-        own = self._own_policy(node, tier)  # a parent is in its child's namespace: same policy
-        if own is not None:
-            own.remove(node)
+        policy = self.policies[tier]
+        policy.remove(node)
+        own = None
+        if tier in QUOTA_TIERS:  # `_count_tenant` and `_own_policy`, inline: every eviction comes here
+            tenant = self.tenant_of(node.namespace)  # a parent is in its child's namespace: same policy
+            if tenant is not None:
+                key = (tier, tenant)
+                self.tenant_bytes[key] = self.tenant_bytes.get(key, 0) - nbytes
+                own = self.tenant_policies.get(key)
+                if own is not None:
+                    own.remove(node)
         self.mover.release(node, tier)
         parent = node.parent
-        if parent is not None and not parent.is_root:
-            left = parent.tier_kids[tier] - 1
-            parent.tier_kids[tier] = left
+        if parent is not None and parent.parent is not None:  # a page, not a root
+            kids = parent.tier_kids
+            left = kids[tier] - 1
+            kids[tier] = left
             if left == 0:
-                self.policies[tier].update(parent)  # it may have become an evictable leaf
+                policy.update(parent)  # it may have become an evictable leaf
                 if own is not None:
                     own.update(parent)
 
     def touch(self, node: Node, clock: int) -> None:
         node.last_access = clock
+        policies = self.policies
         for tier in node.tiers:
-            self.policies[tier].touch(node)
-            own = self._own_policy(node, tier)
-            if own is not None:
-                own.touch(node)
+            policies[tier].touch(node)
+            if self.tenant_policies:  # `_own_policy`'s test, before its call: a fetch touches every page
+                own = self._own_policy(node, tier)
+                if own is not None:
+                    own.touch(node)
 
     def pin(self, node: Node) -> None:
         node.pins += 1
 
     def unpin(self, node: Node) -> None:
-        assert node.pins > 0, "unpin without pin"
-        node.pins -= 1
-        if node.pins == 0:
+        pins = node.pins - 1
+        assert pins >= 0, "unpin without pin"
+        node.pins = pins
+        if pins == 0:
             if not node.tiers:
                 self.drop(node)  # its last copy went bad while it was in use (remove_from)
                 return
+            policies = self.policies
             for tier in node.tiers:
-                self.policies[tier].update(node)
-                own = self._own_policy(node, tier)
-                if own is not None:
-                    own.update(node)
+                policies[tier].update(node)
+                if self.tenant_policies:  # `_own_policy`'s test, before its call: every request unpins its pages
+                    own = self._own_policy(node, tier)
+                    if own is not None:
+                        own.update(node)
+
+    def unpin_all(self, nodes: list[Node]) -> None:
+        """`unpin` each of `nodes`, in order (a request's pages, once it is done)."""
+        unpin = self.unpin
+        for node in nodes:
+            unpin(node)
 
     def fits(self, tier: str, nbytes: int) -> bool:
         usage = self.usage[tier]
         return usage.used_bytes + nbytes <= usage.capacity_bytes
-
-    def lower_tiers(self, tier: str) -> list[str]:
-        return self.order[self.order.index(tier) + 1:]
 
     # -- eviction ----------------------------------------------------------------------------
     def make_room(self, tier: str, nbytes: int, namespace: bytes | None = None) -> bool:
@@ -216,7 +240,8 @@ class Placement:
 
         `namespace`: the page's; if its tenant has a quota in this tier, its own pages go first
         until the page fits within the quota."""
-        if nbytes > self.usage[tier].capacity_bytes:
+        usage = self.usage[tier]
+        if nbytes > usage.capacity_bytes:
             return False
         tenant = self.tenant_of(namespace) if namespace is not None and self.tenant_policies else None
         own = self.tenant_policies.get((tier, tenant)) if tenant is not None else None
@@ -229,9 +254,11 @@ class Placement:
                 if victim is None:
                     return False
                 self.evict(victim, tier)
-        while not self.fits(tier, nbytes):
-            if not self.evict_one(tier):
+        while usage.used_bytes + nbytes > usage.capacity_bytes:  # `fits` and `evict_one`, inline: a full tier evicts on every store
+            victim = self.policies[tier].victim()
+            if victim is None:
                 return False
+            self.evict(victim, tier)
         return True
 
     def evict_one(self, tier: str) -> bool:
@@ -245,7 +272,7 @@ class Placement:
         """Move `node` out of `tier`: demote it to the first lower tier that can take it, else
         drop it (and, with its last copy, its subtree)."""
         self.usage[tier].evictions += 1
-        for lower in self.lower_tiers(tier):
+        for lower in self._below[tier]:
             if lower in node.tiers:
                 break  # already held below (write-through): leaving this tier loses nothing
             node.pins += 1  # making room below must not pick the page being demoted
@@ -268,10 +295,11 @@ class Placement:
         every page from the first one on), so an unpinned page has no pinned descendant."""
         assert node.pins == 0, f"drop of pinned {node}"
         removed = 0
-        for page in self.index.subtree(node):
+        unlink = self.index.unlink
+        for page in self.index.subtree(node) if node.children else (node,):  # a leaf: its own subtree
             for tier in list(page.tiers):
                 self._discard(page, tier)
-            self.index.unlink(page)
+            unlink(page)
             removed += 1
         self.dropped_pages += removed
         return removed

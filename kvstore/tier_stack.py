@@ -60,6 +60,12 @@ class TierStack:
                 self.codecs[tier.name] = get_codec(tier.codec)
         self.capacities = [(name, tier.fillable_bytes) for name, tier in self.tiers.items()]  # top first
         self._sizes: dict[tuple[ModelSpec, int, str, bool], int] = {}
+        # A page's bytes by (its namespace, its tokens' bytes, tier), with and without the tier's
+        # codec: placement asks on every add and discard, and a spec's hash is a Python call. A
+        # namespace stands for one spec for good (its key hashes the whole spec, and the registry
+        # only ever adds to `specs_by_namespace`), so an entry never goes stale.
+        self._page_sizes: dict[tuple[bytes, int, str], int] = {}
+        self._raw_page_sizes: dict[tuple[bytes, int, str], int] = {}
         self.top = self.capacities[0][0]
         # The tier that survives a restart (the index is rebuilt from it; close and
         # write-through write it), and the one other sidecars share; None where there is none.
@@ -311,16 +317,24 @@ class TierStack:
 
     # -- sizes ---------------------------------------------------------------------------
     def size_in(self, node: Node, tier: str) -> int:
-        spec = self.registry.specs_by_namespace.get(node.namespace)
-        if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
-            return node.tiers.get(tier, UNBOUNDED_BYTES)
-        return self.size_for(spec, node.num_tokens, tier)
+        key = (node.namespace, len(node.tokens), tier)
+        size = self._page_sizes.get(key)
+        if size is None:
+            spec = self.registry.specs_by_namespace.get(node.namespace)
+            if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
+                return node.tiers.get(tier, UNBOUNDED_BYTES)
+            size = self._page_sizes[key] = self.size_for(spec, node.num_tokens, tier)
+        return size
 
     def raw_size_in(self, node: Node, tier: str) -> int:
-        spec = self.registry.specs_by_namespace.get(node.namespace)
-        if spec is None:  # pages on disk of a model nobody registered since the restart
-            return node.tiers.get(tier, 0)
-        return self.size_for(spec, node.num_tokens, tier, raw=True)
+        key = (node.namespace, len(node.tokens), tier)
+        size = self._raw_page_sizes.get(key)
+        if size is None:
+            spec = self.registry.specs_by_namespace.get(node.namespace)
+            if spec is None:  # pages on disk of a model nobody registered since the restart
+                return node.tiers.get(tier, 0)
+            size = self._raw_page_sizes[key] = self.size_for(spec, node.num_tokens, tier, raw=True)
+        return size
 
     def size_for(self, spec: ModelSpec, num_tokens: int, tier: str, *, raw: bool = False) -> int:
         """Bytes a page of `num_tokens` takes in `tier` (`raw`: without the tier's codec).
