@@ -28,7 +28,8 @@ import tempfile
 import time
 from typing import Callable
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH: an older kvstore there wins
+# After PYTHONPATH: an older copy of kvstore there is what gets measured.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import redis  # noqa: E402
 import torch  # noqa: E402
