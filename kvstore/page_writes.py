@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvstore.config import ModelSpec
-from kvstore.copy import host_array, host_bytes
+from kvstore.copy import copy_bytes, host_array, host_bytes
 from kvstore.errors import InsufficientStorage
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
@@ -105,12 +105,12 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
         for node, tier, slot, s, e in writes:
             if slot.__class__ is np.ndarray and kv_bytes is not None:
                 if s == start and e == n_tokens:  # the page is all of kv
-                    slot[:kv_bytes.size] = kv_bytes
+                    copy_bytes(slot[:kv_bytes.size], kv_bytes)
                 else:
                     if kv_rows is None:
                         kv_rows, row_token_bytes = kv_bytes.reshape(rows, -1), token_bytes // rows
-                    slot[:(e - s) * token_bytes].reshape(rows, -1)[...] = \
-                        kv_rows[:, (s - start) * row_token_bytes:(e - start) * row_token_bytes]
+                    copy_bytes(slot[:(e - s) * token_bytes].reshape(rows, -1),
+                               kv_rows[:, (s - start) * row_token_bytes:(e - start) * row_token_bytes])
             elif slot.__class__ is np.ndarray and kv_array is not None:
                 np.copyto(slot[:(e - s) * token_bytes].view(kv_array.dtype).reshape(spec.kv_shape(e - s)),
                           kv_array[:, :, s - start:e - start], casting="no")
