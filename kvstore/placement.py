@@ -254,7 +254,8 @@ class Placement:
                 if victim is None:
                     return False
                 self.evict(victim, tier)
-        while usage.used_bytes + nbytes > usage.capacity_bytes:  # `fits` and `evict_one`, inline: a full tier evicts on every store
+        # `fits` and `evict_one`, inline: a full tier evicts on every store.
+        while usage.used_bytes + nbytes > usage.capacity_bytes:
             victim = self.policies[tier].victim()
             if victim is None:
                 return False
