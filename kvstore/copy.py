@@ -36,12 +36,8 @@ def host_array(t: torch.Tensor) -> np.ndarray | None:
     """`t` as a numpy array sharing its memory (bfloat16 as int16: `NUMPY_DTYPES`) when it is on
     the CPU, else None. The store's per-page copies slice these: a numpy view is several times
     cheaper to make than a torch view (docs/performance.md)."""
-    if t.is_cpu and not t.requires_grad:
-        if t.dtype in _NUMPY_NATIVE:  # `_as_numpy`, inline: every store comes here
-            return t.numpy()
-        same_width = _SAME_WIDTH_INT.get(t.element_size())
-        if same_width is not None:
-            return t.view(same_width).numpy()
+    if t.is_cpu and not t.requires_grad and (t.dtype in _NUMPY_NATIVE or t.element_size() in _SAME_WIDTH_INT):
+        return _as_numpy(t)
     return None
 
 

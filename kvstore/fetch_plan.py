@@ -29,7 +29,7 @@ from kvstore.results import FetchResult
 from kvstore.store_state import StoreState, empty_kv
 from kvstore.tiers.base import PageRecord
 from kvstore.tiers.redis_landing import Landing
-from kvstore.validation import CPU
+from kvstore.validation import on_cpu
 
 # (page, first token, tokens used, tier, source). The source: a raw page in host memory as its
 # slot's (offset, size) in the tier's numpy buffer (`TierStack.raw_buffers`: copied with numpy),
@@ -74,17 +74,16 @@ class FetchPlan:
         if matched <= start:
             return FetchResult(matched, empty_kv(spec, dev))
         shape, dtype = spec.kv_shape(matched - start), TORCH_DTYPES[spec.dtype]
-        # The answer, (L, 2, T, H, D): on the host, a numpy array (raw pages are copied into
-        # numpy views of it: a numpy slice costs a fraction of a torch one) and the torch tensor
-        # over the same memory, for pages a codec decodes and for the caller.
-        # Raw pages are copied as bytes: the answer as (L * 2) rows of T tokens' bytes, a page's
-        # slot as (L * 2) rows of its n tokens' bytes, so a page is one column range of the
-        # answer's rows, and its copy takes two numpy views, not five.
+        # The answer, (L, 2, T, H, D): on the host, a numpy array and the torch tensor over the
+        # same memory, for pages a codec decodes and for the caller. Raw pages are copied into it
+        # as bytes (a numpy view costs a fraction of a torch one): the answer as (L * 2) rows of
+        # T tokens' bytes, where a page's slot, (L * 2) rows of its n tokens' bytes, is one
+        # column range (`copy_raw_pages`).
         rows = spec.num_layers * 2
         row_bytes = spec.bytes_per_token // rows  # one token's bytes in one (layer, K or V) row
         out_array: np.ndarray | None = None
         out_rows: np.ndarray | None = None
-        if dev is CPU or dev.type == "cpu":  # torch.device.type builds a new string on every read (validation.CPU)
+        if on_cpu(dev):
             into = self.into
             nbytes = self.nbytes
             flat = into.numpy()[:nbytes] if into is not None and into.numel() >= nbytes else empty_host_bytes(nbytes)
@@ -233,7 +232,7 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
         reads: list[Read] = []
         needs_io = False
         offset = 0
-        host = dev is CPU or dev.type == "cpu"
+        host = on_cpu(dev)
         matched = match.matched_tokens
         pin, touch, source_tier, usage = placement.pin, placement.touch, tiers.source_tier, placement.usage
         for node in match.path:

@@ -208,6 +208,8 @@ class PageIndex:
 
     def subtree(self, node: Node) -> list[Node]:
         """`node` and all its descendants, children before parents (safe order to unlink)."""
+        if not node.children:  # most pages dropped are leaves
+            return [node]
         out: list[Node] = []
         stack = [(node, False)]
         while stack:

@@ -46,8 +46,7 @@ def page_key(parent_key: bytes, page_tokens: bytes | Sequence[int]) -> bytes:
     """`page_tokens`: int32 LE bytes (what the store holds), or validated token ids."""
     if page_tokens.__class__ is not bytes:
         page_tokens = tokens_bytes(page_tokens)
-    # `_digest` of the two parts, inline: every page of every request is keyed here.
-    return _blake2b(parent_key + page_tokens, digest_size=KEY_BYTES).digest()
+    return _digest(parent_key, page_tokens)
 
 
 def prefix_keys(namespace: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:

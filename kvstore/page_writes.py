@@ -54,8 +54,7 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     path: list[Node] = []
     stored_tokens = 0
     with state.lock:
-        if tiers.losing:  # only record tiers lose copies on their own
-            state.drain_lost_copies()
+        state.drain_lost_copies()
         clock = state.tick()
         parent = index.root(root_key, namespace)
         # Every page comes through here: the calls it makes, bound once.
@@ -132,8 +131,7 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
                     # After the write-through: the disk writer commits in queue order, so a
                     # crash never finds the shorter tail deleted and its replacement unwritten
                     # (an acknowledged sequence ending in that tail would lose its last tokens).
-                    if node.parent.tail_kids:  # type: ignore[union-attr]  # only a tail is a proper prefix of a page
-                        drop_shadowed_tails(state, node)
+                    drop_shadowed_tails(state, node)
                 else:
                     placement.remove_from(node, tier)
             for node, record in shares:  # queued, never waited for: Redis must not slow stores

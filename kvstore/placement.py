@@ -132,9 +132,21 @@ class Placement:
                     own.insert(node)
 
     def _own_policy(self, node: Node, tier: str) -> EvictionPolicy | None:
-        if not self.tenant_policies:  # no quotas: the hot path costs one dict test
-            return None
+        """The page's tenant's own policy in `tier`, if it has one. Callers test `tenant_policies`
+        first: without quotas there is none, and a fetch touches and unpins every page."""
         return self.tenant_policies.get((tier, self.tenant_of(node.namespace)))  # type: ignore[arg-type]
+
+    def _count_tenant(self, node: Node, tier: str, nbytes: int) -> EvictionPolicy | None:
+        """Count `nbytes` (negative: leaving) to the page's tenant in a memory tier; -> that
+        tenant's own policy there, if it has a quota (a parent is in its child's namespace:
+        the same policy)."""
+        if tier in QUOTA_TIERS:
+            tenant = self.tenant_of(node.namespace)
+            if tenant is not None:
+                key = (tier, tenant)
+                self.tenant_bytes[key] = self.tenant_bytes.get(key, 0) + nbytes
+                return self.tenant_policies.get(key)
+        return None
 
     # -- bookkeeping -------------------------------------------------------------------------
     def add(self, node: Node, tier: str, nbytes: int) -> None:
@@ -150,14 +162,9 @@ class Placement:
             kids = parent.tier_kids
             kids[tier] = kids.get(tier, 0) + 1
         self.policies[tier].insert(node)
-        if tier in QUOTA_TIERS:  # `_count_tenant` and `_own_policy`, inline: every new page comes here
-            tenant = self.tenant_of(node.namespace)
-            if tenant is not None:
-                key = (tier, tenant)
-                self.tenant_bytes[key] = self.tenant_bytes.get(key, 0) + nbytes
-                own = self.tenant_policies.get(key)
-                if own is not None:
-                    own.insert(node)
+        own = self._count_tenant(node, tier, nbytes)
+        if own is not None:
+            own.insert(node)
 
     def admit(self, node: Node, tier: str, nbytes: int, clock: int) -> None:
         """A new page enters `tier`: pinned (it is written outside the lock), touched at `clock`
@@ -175,15 +182,9 @@ class Placement:
         usage.saved_bytes -= self.raw_size_in(node, tier) - nbytes
         policy = self.policies[tier]
         policy.remove(node)
-        own = None
-        if tier in QUOTA_TIERS:  # `_count_tenant` and `_own_policy`, inline: every eviction comes here
-            tenant = self.tenant_of(node.namespace)  # a parent is in its child's namespace: same policy
-            if tenant is not None:
-                key = (tier, tenant)
-                self.tenant_bytes[key] = self.tenant_bytes.get(key, 0) - nbytes
-                own = self.tenant_policies.get(key)
-                if own is not None:
-                    own.remove(node)
+        own = self._count_tenant(node, tier, -nbytes)
+        if own is not None:
+            own.remove(node)
         self.mover.release(node, tier)
         parent = node.parent
         if parent is not None and parent.parent is not None:  # a page, not a root
@@ -200,7 +201,7 @@ class Placement:
         policies = self.policies
         for tier in node.tiers:
             policies[tier].touch(node)
-            if self.tenant_policies:  # `_own_policy`'s test, before its call: a fetch touches every page
+            if self.tenant_policies:
                 own = self._own_policy(node, tier)
                 if own is not None:
                     own.touch(node)
@@ -219,7 +220,7 @@ class Placement:
             policies = self.policies
             for tier in node.tiers:
                 policies[tier].update(node)
-                if self.tenant_policies:  # `_own_policy`'s test, before its call: every request unpins its pages
+                if self.tenant_policies:
                     own = self._own_policy(node, tier)
                     if own is not None:
                         own.update(node)
@@ -297,7 +298,7 @@ class Placement:
         assert node.pins == 0, f"drop of pinned {node}"
         removed = 0
         unlink = self.index.unlink
-        for page in self.index.subtree(node) if node.children else (node,):  # a leaf: its own subtree
+        for page in self.index.subtree(node):
             for tier in list(page.tiers):
                 self._discard(page, tier)
             unlink(page)

@@ -60,12 +60,11 @@ class TierStack:
                 self.codecs[tier.name] = get_codec(tier.codec)
         self.capacities = [(name, tier.fillable_bytes) for name, tier in self.tiers.items()]  # top first
         self._sizes: dict[tuple[ModelSpec, int, str, bool], int] = {}
-        # A page's bytes by (its namespace, its tokens' bytes, tier), with and without the tier's
-        # codec: placement asks on every add and discard, and a spec's hash is a Python call. A
-        # namespace stands for one spec for good (its key hashes the whole spec, and the registry
-        # only ever adds to `specs_by_namespace`), so an entry never goes stale.
-        self._page_sizes: dict[tuple[bytes, int, str], int] = {}
-        self._raw_page_sizes: dict[tuple[bytes, int, str], int] = {}
+        # A page's bytes by (its namespace, its tokens' bytes, tier, without the codec), in front
+        # of `size_for`'s memo: placement asks on every add and discard, and a spec's hash is a
+        # Python call. A namespace stands for one spec for good (its key hashes the whole spec,
+        # and the registry only ever adds to `specs_by_namespace`), so an entry never goes stale.
+        self._page_sizes: dict[tuple[bytes, int, str, bool], int] = {}
         self.top = self.capacities[0][0]
         # The tier that survives a restart (the index is rebuilt from it; close and
         # write-through write it), and the one other sidecars share; None where there is none.
@@ -317,23 +316,23 @@ class TierStack:
 
     # -- sizes ---------------------------------------------------------------------------
     def size_in(self, node: Node, tier: str) -> int:
-        key = (node.namespace, len(node.tokens), tier)
+        # Unknown model: it cannot be decoded, so it is never copied anywhere.
+        return self._page_size(node, tier, False, UNBOUNDED_BYTES)
+
+    def raw_size_in(self, node: Node, tier: str) -> int:
+        # Unknown model: pages on disk of a model nobody registered since the restart.
+        return self._page_size(node, tier, True, 0)
+
+    def _page_size(self, node: Node, tier: str, raw: bool, unknown: int) -> int:
+        """`size_for` the page's spec, or what `tier` holds of it (else `unknown`) when its
+        model is not registered."""
+        key = (node.namespace, len(node.tokens), tier, raw)
         size = self._page_sizes.get(key)
         if size is None:
             spec = self.registry.specs_by_namespace.get(node.namespace)
-            if spec is None:  # unknown model: it cannot be decoded, so it is never copied anywhere
-                return node.tiers.get(tier, UNBOUNDED_BYTES)
-            size = self._page_sizes[key] = self.size_for(spec, node.num_tokens, tier)
-        return size
-
-    def raw_size_in(self, node: Node, tier: str) -> int:
-        key = (node.namespace, len(node.tokens), tier)
-        size = self._raw_page_sizes.get(key)
-        if size is None:
-            spec = self.registry.specs_by_namespace.get(node.namespace)
-            if spec is None:  # pages on disk of a model nobody registered since the restart
-                return node.tiers.get(tier, 0)
-            size = self._raw_page_sizes[key] = self.size_for(spec, node.num_tokens, tier, raw=True)
+            if spec is None:
+                return node.tiers.get(tier, unknown)
+            size = self._page_sizes[key] = self.size_for(spec, node.num_tokens, tier, raw=raw)
         return size
 
     def size_for(self, spec: ModelSpec, num_tokens: int, tier: str, *, raw: bool = False) -> int:

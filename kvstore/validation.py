@@ -21,7 +21,7 @@ from kvstore.index import TOKEN_BYTES
 from kvstore.keys import MAX_TOKEN_ID
 
 _INT32_LE = np.dtype("<i4")
-CPU = torch.device("cpu")  # the device of every host fetch: one object, so `dev is CPU` is the cheap test
+CPU = torch.device("cpu")  # the device of every host fetch: one object, so `on_cpu` is mostly an identity test
 SMALL_TOKEN_LIST = 64  # token lists up to this long are packed and range-checked without numpy
 _INT32_LE_PACKERS = [struct.Struct(f"<{n}i") for n in range(SMALL_TOKEN_LIST + 1)]  # by number of ids
 _INT_ONLY = frozenset({int})
@@ -154,14 +154,19 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
+def on_cpu(dev: torch.device) -> bool:
+    """`dev.type == "cpu"`, tested as `dev is CPU` first: torch.device.type builds a new string
+    on every read, and the store passes its one CPU device object."""
+    return dev is CPU or dev.type == "cpu"
+
+
 def check_into(into: Any, dev: torch.device) -> torch.Tensor | None:
     """`into` of a fetch: None, or a flat, contiguous uint8 tensor on the answer's device (CPU)."""
     if into is None:
         return None
     if not (isinstance(into, torch.Tensor) and into.dtype == torch.uint8 and into.dim() == 1 and into.is_contiguous()):
         raise InvalidRequest(f"into: expected a flat contiguous uint8 tensor, got {_describe(into)}", field="into")
-    # torch.device.type builds a new string on every read: the common case is the one object
-    if not (into.is_cpu and (dev is CPU or dev.type == "cpu")):
+    if not (into.is_cpu and on_cpu(dev)):
         raise InvalidRequest(f"into: must be on the answer's device, and that must be the CPU (into on {into.device}, "
                              f"device={dev})", field="into")
     return into

@@ -38,17 +38,10 @@ class SlotMap:
 
     def allocate(self, key: bytes, nbytes: int) -> int:
         """The offset of a new slot of at least `nbytes` for `key`. Raises TierFull."""
-        slots = self._slots
-        assert key not in slots, "allocate of a key that already has a slot"
-        align = self.align_bytes
-        size = -(-nbytes // align) * align  # `slot_bytes`
-        offsets = self._by_size.get(size)
-        if offsets is not None:  # `_take_free`, inline: a full tier of one page size comes here every time
-            offset = offsets.pop()
-            if not offsets:
-                del self._by_size[size]
-            del self._free_at[offset]
-            del self._free_end[offset + size]
+        assert key not in self._slots, "allocate of a key that already has a slot"
+        size = self.slot_bytes(nbytes)
+        if size in self._by_size:
+            offset = self._take_free(size)
         elif self._end + size <= self.capacity_bytes:
             offset = self._end
             self._end += size
@@ -60,7 +53,7 @@ class SlotMap:
             free_size = min(larger)  # the smallest range that fits: keep large ranges whole
             offset = self._take_free(free_size)
             self._add_free(offset + size, free_size - size)
-        slots[key] = (offset, size)
+        self._slots[key] = (offset, size)
         self.used_bytes += size
         return offset
 
@@ -84,14 +77,8 @@ class SlotMap:
             size += right
         if offset + size == self._end:
             self._end = offset  # back to the untouched end
-        else:  # `_add_free`, inline
-            self._free_at[offset] = size
-            self._free_end[offset + size] = offset
-            offsets = self._by_size.get(size)
-            if offsets is None:
-                self._by_size[size] = {offset}
-            else:
-                offsets.add(offset)
+        else:
+            self._add_free(offset, size)
         return True
 
     def _add_free(self, offset: int, size: int) -> None:
