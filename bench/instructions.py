@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-CASES = ("fetch-64KiB", "store-64KiB", "fetch-into-2MiB")
+CASES = ("fetch-64KiB", "store-64KiB", "fetch-into-2MiB", "plan-128-pages")
 ONE_COPY = ("fetch-64KiB", "store-64KiB")  # cases whose copy glibc makes as the baseline's (see above)
 
 # The child: builds a store as bench/ops.py does (a 64 MiB CPU tier filled first, so a store
@@ -51,16 +51,23 @@ for i in range(1100):
     store.store("m64", [10**6 + i] * 16, kv64)
 tokens64 = list(range(16)); store.store("m64", tokens64, kv64)
 tokens2m = list(range(64)); kv2m = torch.randn(spec512.kv_shape(64)).half(); store.store("m512", tokens2m, kv2m)
+tokens128 = list(range(5000, 5000 + 128 * 16))
+store.store("m64", tokens128, torch.randn(spec64.kv_shape(128 * 16)).half())
 into = torch.zeros(4 << 20, dtype=torch.uint8)
 if store.fetch("m64", tokens64).matched_tokens != 16 or store.fetch("m512", tokens2m, into=into).matched_tokens != 64:
     raise SystemExit("the stored values do not come back")
-nbytes = {"fetch-64KiB": 64 << 10, "store-64KiB": 64 << 10, "fetch-into-2MiB": 2 << 20}[case.removeprefix("memcpy-")]
+if store.plan_fetch("m64", tokens128).matched_tokens != len(tokens128):
+    raise SystemExit("the 128-page value does not come back")
+nbytes = {"fetch-64KiB": 64 << 10, "store-64KiB": 64 << 10, "fetch-into-2MiB": 2 << 20,
+          "plan-128-pages": 0}[case.removeprefix("memcpy-")]
 src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
 counter = iter(range(2 * 10**6, 10**9))
 ops = {
     "fetch-64KiB": lambda: store.fetch("m64", tokens64),
     "store-64KiB": lambda: store.store("m64", [next(counter)] * 16, kv64),
     "fetch-into-2MiB": lambda: store.fetch("m512", tokens2m, into=into),
+    # A long prompt's planning without its copy: validation, match, pins, touches, unpins.
+    "plan-128-pages": lambda: store.plan_fetch("m64", tokens128).release(),
 }
 op = ops.get(case) or (lambda: np.copyto(dst, src))
 print("ready", os.getpid(), kvstore.__file__, flush=True)

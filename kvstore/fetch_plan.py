@@ -164,9 +164,7 @@ class FetchPlan:
             return False
 
     def _unpin(self) -> None:
-        unpin = self.state.placement.unpin
-        for node in self.path:
-            unpin(node)
+        self.state.placement.unpin_all(self.path)
 
 
 def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.ndarray], out_rows: np.ndarray,
@@ -234,13 +232,14 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
         offset = 0
         host = on_cpu(dev)
         matched = match.matched_tokens
-        pin, touch, source_tier, usage = placement.pin, placement.touch, tiers.source_tier, placement.usage
-        for node in match.path:
+        path = match.path
+        placement.pin_all(path)
+        placement.touch_all(path, clock)  # before this request's hits count (a policy reads them)
+        source_tier, usage = tiers.source_tier, placement.usage
+        for node in path:
             used = len(node.tokens) // TOKEN_BYTES
             if used > matched - offset:
                 used = matched - offset
-            pin(node)
-            touch(node, clock)
             tier = source_tier(node)
             if offset + used > start:
                 usage[tier].hits += 1
@@ -251,4 +250,4 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
                     needs_io = needs_io or src is None
                 reads.append((node, offset, used, tier, src))
             offset += used
-        return FetchPlan(state, spec, start, dev, into, count, match.path, reads, match.matched_tokens, needs_io)
+        return FetchPlan(state, spec, start, dev, into, count, path, reads, match.matched_tokens, needs_io)

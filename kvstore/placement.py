@@ -23,7 +23,7 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from kvstore.index import Node, PageIndex
 from kvstore.policies import POLICIES, EvictionPolicy
@@ -197,39 +197,49 @@ class Placement:
                     own.update(parent)
 
     def touch(self, node: Node, clock: int) -> None:
-        node.last_access = clock
-        policies = self.policies
-        for tier in node.tiers:
-            policies[tier].touch(node)
-            if self.tenant_policies:
-                own = self._own_policy(node, tier)
-                if own is not None:
-                    own.touch(node)
+        self.touch_all((node,), clock)
+
+    def touch_all(self, nodes: Sequence[Node], clock: int) -> None:
+        """`touch` each of `nodes` (a request's pages, in order) at `clock`."""
+        policies, tenants = self.policies, self.tenant_policies
+        for node in nodes:
+            node.last_access = clock
+            for tier in node.tiers:
+                policies[tier].touch(node)
+                if tenants:
+                    own = self._own_policy(node, tier)
+                    if own is not None:
+                        own.touch(node)
 
     def pin(self, node: Node) -> None:
         node.pins += 1
 
+    def pin_all(self, nodes: Sequence[Node]) -> None:
+        for node in nodes:
+            node.pins += 1
+
     def unpin(self, node: Node) -> None:
-        pins = node.pins - 1
-        assert pins >= 0, "unpin without pin"
-        node.pins = pins
-        if pins == 0:
+        self.unpin_all((node,))
+
+    def unpin_all(self, nodes: Sequence[Node]) -> None:
+        """`unpin` each of `nodes`, in order (a request's pages, once it is done): a page no
+        longer pinned may be evictable again, which its policies are told."""
+        policies, tenants = self.policies, self.tenant_policies
+        for node in nodes:
+            pins = node.pins - 1
+            assert pins >= 0, "unpin without pin"
+            node.pins = pins
+            if pins:
+                continue
             if not node.tiers:
                 self.drop(node)  # its last copy went bad while it was in use (remove_from)
-                return
-            policies = self.policies
+                continue
             for tier in node.tiers:
                 policies[tier].update(node)
-                if self.tenant_policies:
+                if tenants:
                     own = self._own_policy(node, tier)
                     if own is not None:
                         own.update(node)
-
-    def unpin_all(self, nodes: list[Node]) -> None:
-        """`unpin` each of `nodes`, in order (a request's pages, once it is done)."""
-        unpin = self.unpin
-        for node in nodes:
-            unpin(node)
 
     def fits(self, tier: str, nbytes: int) -> bool:
         usage = self.usage[tier]
