@@ -39,6 +39,20 @@ log = logging.getLogger("kvstore.client")
 T = TypeVar("T")
 
 
+class _Forks:
+    """How many forks deep this process is: a child's count differs from its parent's."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self.generation += 1
+
+
+_forks = _Forks()
+
+
 class KVStoreClient:
     """`shared_memory_bytes`: size of the client's shared-memory arena (api/client_arena.py),
     through which a sidecar on the same host moves KV instead of the socket. None: 256 MiB when
@@ -56,7 +70,7 @@ class KVStoreClient:
             raise ValueError(f"shared_memory_bytes: expected an int >= 0 (0: off), got {shared_memory_bytes!r}")
         self._shm_bytes = shared_memory_bytes
         self._arena: ClientArena | None = None
-        self._arena_pid = os.getpid()
+        self._arena_generation = _forks.generation
         self._bytes_per_token: dict[str, int] = {}  # learned from answers: sizes fetch regions
         self.url = url.rstrip("/")
         self._host, self._port = parts.hostname, parts.port or 80
@@ -197,8 +211,9 @@ class KVStoreClient:
 
     def _shared_memory(self) -> ClientArena | None:
         """The arena, made on first use; None when off. A forked child never uses its parent's
-        arena (both would hand out the same regions)."""
-        if not self._shm_bytes or os.getpid() != self._arena_pid:
+        arena (both would hand out the same regions); a fork is told by `_forks`, not by
+        comparing os.getpid(), a syscall on every call."""
+        if not self._shm_bytes or _forks.generation != self._arena_generation:
             return None
         if self._arena is None:
             with self._lock:
