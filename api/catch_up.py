@@ -27,10 +27,12 @@ class CatchUp:
         self.store = store
         self.queued = False
 
-    def soon(self) -> None:
+    def soon(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """`loop`: the running loop, when the caller has it (asyncio.get_running_loop() makes a
+        getpid syscall, once per answer otherwise)."""
         if not self.queued:
             self.queued = True
-            asyncio.get_running_loop().call_soon(self._run)
+            (loop or asyncio.get_running_loop()).call_soon(self._run)
 
     def _run(self) -> None:
         if self.store.catch_up(blocking=False):

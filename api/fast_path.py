@@ -106,6 +106,9 @@ class FastPath:
         # token is checked again every time.
         self._heads: dict[bytes, tuple[bytes, Route, int, str | None]] = {}
         self._vectored: bool | None = None  # known once a loop runs (`vectored_writes`)
+        # One packer for every answer (msgpack.packb makes one per call): answers are packed on
+        # the event loop's thread only. autoreset: pack() returns the bytes and starts over.
+        self._packer = msgpack.Packer(use_bin_type=True)
 
     def vectored_writes(self) -> bool:
         """Whether the loop's `writelines` sends its parts in one vectored write without joining
@@ -195,7 +198,7 @@ class FastPath:
 
     def _encode(self, fields: dict, raw: Any) -> list[Any]:
         if raw is None:
-            body = msgpack.packb(fields, use_bin_type=True)
+            body = self._packer.pack(fields)
             return [self._head(len(body)) + body]
         prefix = pack_map_prefix(fields, "kv", raw.nbytes)
         return [self._head(len(prefix) + raw.nbytes) + prefix, memoryview(raw)]
@@ -216,11 +219,12 @@ class Lane:
     aiohttp has answered each of them; `following` turns false for good on anything the
     Content-Length framing below cannot follow."""
 
-    __slots__ = ("fast", "transport", "handed", "answered", "body_left", "following", "planned")
+    __slots__ = ("fast", "transport", "loop", "handed", "answered", "body_left", "following", "planned")
 
     def __init__(self, fast: FastPath, transport: Any):
         self.fast = fast
         self.transport = transport
+        self.loop: asyncio.AbstractEventLoop | None = None  # the connection's, once it has answered here
         self.handed = 0
         self.answered = 0
         self.body_left = 0
@@ -253,7 +257,9 @@ class Lane:
         else:  # asyncio's writelines before 3.12 joins the parts, a copy of the kv
             for part in answer:
                 self.transport.write(part)
-        self.fast.catch_up.soon()  # the policy learns from it now that the answer is out
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        self.fast.catch_up.soon(self.loop)  # the policy learns from it now that the answer is out
         return True
 
     def follow(self, data: bytes) -> None:

@@ -181,15 +181,17 @@ def _unpack_small(buf: memoryview, max_depth: int | None) -> dict[str, Any]:
     if not len(buf):
         raise FramingError("empty body, expected a msgpack map")
     containers = [0]
-
-    def counted(container: Any) -> Any:  # called once per array and map, the body's own included
-        containers[0] += 1
-        return container
-
-    hooks = {} if max_depth is None else {"list_hook": counted, "object_hook": counted}
     try:
-        obj = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
-                              max_map_len=MAX_MAP_LEN, **hooks)
+        if max_depth is None:  # an answer: no depth to count, no hooks to call
+            obj = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
+                                  max_map_len=MAX_MAP_LEN)
+        else:
+            def counted(container: Any) -> Any:  # called once per array and map, the body's own included
+                containers[0] += 1
+                return container
+
+            obj = msgpack.unpackb(buf, raw=False, strict_map_key=False, max_array_len=MAX_ARRAY_LEN,
+                                  max_map_len=MAX_MAP_LEN, list_hook=counted, object_hook=counted)
     except msgpack.StackError:  # its own bound on nesting (1,024 levels), raised with no message
         raise FramingError(f"nested deeper than {max_depth or 'msgpack allows'} levels "
                            "(past msgpack's own limit of 1024); no request field nests that deep") from None

@@ -46,6 +46,8 @@ DEFAULT_TYPES = frozenset({"", "application/octet-stream"})
 # they are decoded (api/nesting.py): decoders recurse once per level.
 MAX_BODY_DEPTH = 3
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> its name in answers
+_TOKEN_DTYPE = np.dtype("<i4")  # made once: numpy parses a dtype string on every call
+_SHM_FIELDS = ("offset", "nbytes")
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def tokens(value: Any) -> Any:
         if value.nbytes % 4:
             raise InvalidTokens(f"tokens: a bin of int32 needs a multiple of 4 bytes, got {value.nbytes}",
                                 field="tokens")
-        return np.frombuffer(value, dtype="<i4")
+        return np.frombuffer(value, dtype=_TOKEN_DTYPE)
     if not isinstance(value, list):
         raise InvalidTokens(f"tokens: expected an array of ints or a bin of int32, got {_show(value)}", field="tokens")
     for i, tok in enumerate(value):
@@ -203,11 +205,12 @@ def shm_region(value: Any) -> tuple[int, int] | None:
     """`shm` of a fetch or store: {"offset": int, "nbytes": int} in the connection's shared memory."""
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != {"offset", "nbytes"}:
+    # Two fields, both present: exactly offset and nbytes (no set built per request).
+    if not isinstance(value, dict) or len(value) != 2 or "offset" not in value or "nbytes" not in value:
         raise InvalidRequest(f"shm: expected a map with exactly offset and nbytes, got {_show(value)}", field="shm")
-    for name in ("offset", "nbytes"):
+    for name in _SHM_FIELDS:
         v = value[name]
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 40:
+        if type(v) is not int and (isinstance(v, bool) or not isinstance(v, int)) or not 0 <= v < 1 << 40:
             raise InvalidRequest(f"shm.{name}: expected an int in [0, 2**40), got {_show(v)}", field="shm")
     return value["offset"], value["nbytes"]
 
