@@ -25,6 +25,9 @@ _MAX_HEAD_BYTES = 64 << 10  # a whole answer head; the sidecar's are ~120 bytes
 _MAX_HEADERS = 100
 _SMALL_BODY_BYTES = 64 << 10
 _READ_BYTES = 128 << 10  # the reused read buffer: a small answer and the head of a large one
+# Parsed heads kept per connection, by their text: the sidecar's answers to one kind of request
+# repeat byte for byte but for Content-Length and a Date that changes once a second.
+_HEAD_CACHE_ENTRIES = 64
 
 
 class ProtocolError(OSError):
@@ -49,6 +52,7 @@ class Connection:
         self._buf = bytearray(_READ_BYTES)
         self._view = memoryview(self._buf)
         self._pos = self._end = 0
+        self._heads: dict[str, tuple[int, dict[str, str]]] = {}
         self.served = 0  # requests answered on this connection (a reused one may be stale)
         self.closed = False
 
@@ -61,6 +65,7 @@ class Connection:
         """Send `head` (request line and headers, blank line included) then `parts`; read the
         answer -> (status, content type, body). TimeoutError when a send or a receive waits
         longer than the connection's timeout."""
+        delimited_by_close = False
         try:
             _send_all(self.sock, [head, *parts])
             status, headers = self._read_head()
@@ -73,11 +78,11 @@ class Connection:
                 body = self._read_exact(int(length))
             else:  # delimited by close
                 body = self._read_to_close()
-                headers["connection"] = "close"
+                delimited_by_close = True
         except BlockingIOError:  # SO_SNDTIMEO/SO_RCVTIMEO ran out: what a Python timeout raises
             raise TimeoutError("timed out") from None
         self.served += 1
-        if headers.get("connection", "").lower() == "close":
+        if delimited_by_close or headers.get("connection", "").lower() == "close":
             self.close()
         return status, headers.get("content-type", ""), body
 
@@ -105,8 +110,12 @@ class Connection:
         return out
 
     def _read_head(self) -> tuple[int, dict[str, str]]:
+        """(status, {lowercased name: value}) of the next answer's head; the dict is shared by
+        answers with the same head bytes (`_heads`): read it, never change it."""
         # The head ends at the first empty line, CRLF or bare LF ("\n\r\n" or "\n\n").
         scanned = self._pos
+        if self._pos == self._end:  # nothing buffered: nothing to scan before the first read
+            self._fill()
         while True:
             crlf = self._buf.find(b"\n\r\n", scanned, self._end)
             # Only before a CRLF end can a bare-LF one come first: never scan a body behind the head.
@@ -119,21 +128,17 @@ class Connection:
             scanned = max(self._pos, self._end - 2)  # an empty line may straddle two reads
             self._fill()
         # Decoded once, straight from the buffer: one copy, no per-line decode.
-        lines = str(self._view[self._pos:end], "latin-1").split("\n")
+        text = str(self._view[self._pos:end], "latin-1")
         self._pos = end
         if self._pos == self._end:
             self._pos = self._end = 0
-        status_line = lines[0].split(None, 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
-            raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80].encode('latin-1')!r}")
-        if len(lines) - 3 > _MAX_HEADERS:  # the status line and the empty line's two pieces
-            raise ProtocolError("too many response headers")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if colon:  # the empty line's pieces have none
-                headers[name.strip().lower()] = value.strip()
-        return int(status_line[1]), headers
+        parsed = self._heads.get(text)
+        if parsed is None:
+            parsed = _parse_head(text)
+            if len(self._heads) >= _HEAD_CACHE_ENTRIES:
+                self._heads.clear()
+            self._heads[text] = parsed
+        return parsed
 
     def _readline(self) -> bytes:
         while (newline := self._buf.find(b"\n", self._pos, self._end)) < 0:
@@ -184,6 +189,22 @@ class Connection:
         while chunk := self.sock.recv(_READ_BYTES):
             body += chunk
         return body
+
+
+def _parse_head(text: str) -> tuple[int, dict[str, str]]:
+    """An answer head (status line to the empty line) -> (status, {lowercased name: value})."""
+    lines = text.split("\n")
+    status_line = lines[0].split(None, 2)
+    if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
+        raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80].encode('latin-1')!r}")
+    if len(lines) - 3 > _MAX_HEADERS:  # the status line and the empty line's two pieces
+        raise ProtocolError("too many response headers")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if colon:  # the empty line's pieces have none
+            headers[name.strip().lower()] = value.strip()
+    return int(status_line[1]), headers
 
 
 def _kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:

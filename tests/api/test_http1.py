@@ -55,3 +55,55 @@ def test_an_answer_that_is_not_http_is_a_protocol_error() -> None:
             conn.request(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [])
     finally:
         conn.close()
+
+
+def _serve_answers(answers: list[bytes], close_after: bool = False) -> tuple[str, int]:
+    """A one-connection server that answers each request it reads with the next of `answers`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            for answer in answers:
+                conn.recv(65536)
+                conn.sendall(answer)
+            if not close_after:
+                conn.recv(65536)  # until the client closes
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return listener.getsockname()
+
+
+def test_answers_with_the_same_head_bytes_are_each_read_whole() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 3\r\n\r\n"
+    other = b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\n"
+    host, port = _serve_answers([head + b"abc", head + b"def", other + b"gone!", head + b"ghi"])
+    conn = Connection(host, port, timeout_s=5)
+    try:
+        got = [conn.request(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", []) for _ in range(4)]
+        assert [(status, ctype, bytes(body)) for status, ctype, body in got] == [
+            (200, "application/msgpack", b"abc"), (200, "application/msgpack", b"def"),
+            (404, "application/json", b"gone!"), (200, "application/msgpack", b"ghi")]
+        assert conn.served == 4 and not conn.closed
+    finally:
+        conn.close()
+
+
+def test_an_answer_without_a_length_is_read_to_the_close_and_closes_the_connection() -> None:
+    host, port = _serve_answers([b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it"], close_after=True)
+    conn = Connection(host, port, timeout_s=5)
+    status, ctype, body = conn.request(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [])
+    assert (status, ctype, bytes(body)) == (200, "text/plain", b"all of it") and conn.closed
+
+
+def test_an_answer_that_never_comes_times_out() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts (in the backlog), never answers
+        conn = Connection(*listener.getsockname()[:2], timeout_s=0.2)
+        try:
+            began = time.monotonic()
+            with pytest.raises(TimeoutError, match="timed out"):
+                conn.request(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [])
+            assert 0.15 < time.monotonic() - began < 5
+        finally:
+            conn.close()
