@@ -122,3 +122,21 @@ def test_a_quota_set_while_learning_later_learns_later_too(make_store):
     assert own.pending == []
     store.learn_later(False)
     assert own.pending is None and store._placement.policies["cpu"].pending is None
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-tail", "duel"])
+def test_a_fetch_keeps_a_quota_tenants_page_in_its_own_ranking(make_store, policy):
+    # A fetch touches its pages in the tier's ranking and in the tenant's own: the tenant's
+    # oldest page, once fetched, outlives the newer one it did not fetch (`lru` ranks a page
+    # again on its touch; the leaf-first policies read its last access when it surfaces).
+    store = make_store(cpu_bytes=SPEC.page_bytes * 16, disk_bytes=0, data_dir=None, policy=policy)
+    store.register_model("m", SPEC, tenant="a")
+    store.store("m", seq(0), random_kv(SPEC, 8, seed=0), tenant="a")
+    store.set_tenant_quota("a", 4 * page_bytes(store))  # two sequences
+    store.store("m", seq(1), random_kv(SPEC, 8, seed=1), tenant="a")
+    got = store.fetch("m", seq(0), tenant="a")
+    assert got.matched_tokens == 8 and torch.equal(got.kv, random_kv(SPEC, 8, seed=0))
+    assert store.store("m", seq(2), random_kv(SPEC, 8, seed=2), tenant="a").stored_tokens == 8
+    assert store.lookup("m", seq(0), tenant="a").matched_tokens == 8
+    assert store.lookup("m", seq(1), tenant="a").matched_tokens == 0
+    assert torch.equal(store.fetch("m", seq(0), tenant="a").kv, random_kv(SPEC, 8, seed=0))
