@@ -249,12 +249,13 @@ class KVStoreClient:
 
     def _call(self, method: str, path: str, parts: codec.Parts | None = None) -> Any:
         parts = parts or []
-        head = self._head(method, path, sum(memoryview(p).nbytes for p in parts))
+        body_bytes = sum(memoryview(p).nbytes for p in parts)
+        head = self._head(method, path, body_bytes)
         conn = None
         try:
             conn = self._take()
             try:
-                status, ctype, body = conn.request(head, parts)
+                status, ctype, body = conn.request(head, parts, body_bytes=body_bytes)
             except (ConnectionError, ProtocolError):
                 # A kept-alive connection the server has since closed: retry once on a fresh one
                 # (every route is idempotent: storing the same pages again changes nothing).
@@ -262,7 +263,7 @@ class KVStoreClient:
                 if not conn.served:
                     raise
                 conn = self._new()
-                status, ctype, body = conn.request(head, parts)
+                status, ctype, body = conn.request(head, parts, body_bytes=body_bytes)
         except OSError as exc:  # refused, reset, timed out, garbled
             if conn is not None:
                 conn.close()

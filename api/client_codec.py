@@ -34,14 +34,14 @@ NUMPY_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)
 Parts = list[Any]  # bytes-like parts, sent back to back
 
 
-def tokens_bin(tokens: Any) -> memoryview:
+def tokens_bin(tokens: Any) -> bytes | memoryview:
     """Token ids -> little-endian int32 bytes: a 1-D integer tensor/array by numpy (no copy when
     it is int32 already), any other sequence as the in-process store takes it (kvstore/
     validation.py: ints, or integer scalars of numpy or torch; never bools or floats)."""
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().numpy()
     if not isinstance(tokens, np.ndarray):
-        return memoryview(token_bytes(tokens, max_tokens=MAX_TOKENS)).cast("B")
+        return token_bytes(tokens, max_tokens=MAX_TOKENS)
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise InvalidTokens(f"tokens: expected a 1-D sequence of ints, got {tokens.dtype} of shape {tokens.shape}",
                             field="tokens")

@@ -61,13 +61,17 @@ class Connection:
             self.closed = True
             self.sock.close()
 
-    def request(self, head: bytes, parts: Sequence[Any]) -> tuple[int, str, bytes | bytearray | memoryview]:
-        """Send `head` (request line and headers, blank line included) then `parts`; read the
-        answer -> (status, content type, body). TimeoutError when a send or a receive waits
-        longer than the connection's timeout."""
+    def request(self, head: bytes, parts: Sequence[Any], *,
+                body_bytes: int | None = None) -> tuple[int, str, bytes | bytearray | memoryview]:
+        """Send `head` (request line and headers, blank line included) then `parts` (of
+        `body_bytes` bytes together, when the caller knows); read the answer -> (status, content
+        type, body). TimeoutError when a send or a receive waits longer than the connection's
+        timeout."""
+        if body_bytes is None:
+            body_bytes = sum(memoryview(p).nbytes for p in parts)
         delimited_by_close = False
         try:
-            _send_all(self.sock, [head, *parts])
+            _send_all(self.sock, [head, *parts], len(head) + body_bytes)
             status, headers = self._read_head()
             if headers.get("transfer-encoding", "").lower() == "chunked":
                 body: bytes | bytearray | memoryview = self._read_chunked()
@@ -217,13 +221,19 @@ def _kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     sock.settimeout(None)
 
 
-def _send_all(sock: socket.socket, parts: list[Any]) -> None:
-    """sendmsg the parts (scatter-gather: no join, no copy), resuming after partial sends."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        sent = sock.sendmsg(views)
+def _send_all(sock: socket.socket, parts: list[Any], nbytes: int) -> None:
+    """sendmsg the parts, of `nbytes` together (scatter-gather: no join, no copy), resuming
+    after partial sends."""
+    sent = sock.sendmsg(parts)
+    if sent == nbytes:  # the usual case: all of it at once, no views made
+        return
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while True:
         while views and sent >= views[0].nbytes:
             sent -= views[0].nbytes
             views.pop(0)
+        if not views:
+            return
         if sent:
             views[0] = views[0][sent:]
+        sent = sock.sendmsg(views)

@@ -323,11 +323,11 @@ def fetch_answer(matched_tokens: int, kv: torch.Tensor | None, shm: tuple[int, i
     """A fetch's answer as (fields, kv bytes or None): `shm` instead of `kv` when the store wrote
     the kv into the client's region `into` (the bytes are already where the client reads them;
     nothing else to view or convert). Otherwise as `kv_payload`: call it off the loop then."""
-    if into is not None and kv is not None and kv.numel() and kv.data_ptr() == into.data_ptr() \
+    if into is not None and kv is not None and (nbytes := kv.nbytes) and kv.data_ptr() == into.data_ptr() \
             and kv.is_contiguous():
         assert shm is not None
         return {"matched_tokens": matched_tokens, "dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape),
-                "shm": {"offset": shm[0], "nbytes": kv.numel() * kv.element_size()}}, None
+                "shm": {"offset": shm[0], "nbytes": nbytes}}, None
     fields, raw = kv_payload(kv)
     return {"matched_tokens": matched_tokens, **fields}, raw
 

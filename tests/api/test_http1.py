@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from kvstore.api.http1 import Connection, ProtocolError
+import numpy as np
+
+from kvstore.api.http1 import Connection, ProtocolError, _send_all
 
 
 def _serve_once(pieces: list[bytes]) -> tuple[str, int]:
@@ -107,3 +109,24 @@ def test_an_answer_that_never_comes_times_out() -> None:
             assert 0.15 < time.monotonic() - began < 5
         finally:
             conn.close()
+
+
+class _TrickleSocket:
+    """Takes at most `step` bytes per sendmsg, as a full socket buffer does."""
+
+    def __init__(self, step: int):
+        self.step, self.got = step, bytearray()
+
+    def sendmsg(self, buffers: list) -> int:
+        joined = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)[:self.step]
+        self.got += joined
+        return len(joined)
+
+
+@pytest.mark.parametrize("step", [1, 5, 7, 1 << 20])
+def test_every_byte_of_every_part_is_sent_once_however_little_each_send_takes(step: int) -> None:
+    kv = np.arange(24, dtype=np.float16).reshape(2, 3, 4)  # a multi-byte, multi-dimensional part
+    parts = [b"head\r\n\r\n", b"", memoryview(kv), b"tail"]
+    sock = _TrickleSocket(step)
+    _send_all(sock, parts, sum(memoryview(p).nbytes for p in parts))  # type: ignore[arg-type]
+    assert bytes(sock.got) == b"head\r\n\r\n" + kv.tobytes() + b"tail"
