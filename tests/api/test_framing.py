@@ -24,6 +24,13 @@ def test_a_large_body_decodes_as_msgpack_does_with_its_bin_in_place():
     assert body[len(body) - len(KV)] == 0xFF
 
 
+@pytest.mark.parametrize("count", [0, 1, 14, 15, 16, 0xFFFE, 0xFFFF, 0x10000])
+def test_a_map_prefix_and_its_bin_are_the_msgpack_of_the_whole_map(count: int):
+    # Either side of each msgpack map header size (fixmap to 15 entries, map16, map32).
+    fields = {f"f{i}": i for i in range(count)}
+    assert pack_map_prefix(fields, "kv", 3) + b"xyz" == msgpack.packb({**fields, "kv": b"xyz"}, use_bin_type=True)
+
+
 def test_a_large_body_cut_short_is_a_framing_error():
     big_bin = b"\xa2kv\xc6" + len(KV).to_bytes(4, "big") + KV
     for body in (b"\x81" + big_bin[:-1],  # the bin ends past the body
