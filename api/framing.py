@@ -166,6 +166,11 @@ def unpack_map(body: bytes | bytearray | memoryview, max_depth: int | None = Non
         elif t <= 0x7F:  # a positive fixint
             end = pos + 1
             out[key] = t
+        elif 0xA0 <= t <= 0xBF:  # a short str (a dtype's name): read here, not walked
+            end = pos + 1 + (t & 0x1F)
+            if end > size:
+                raise FramingError("truncated msgpack data")
+            out[key] = _utf8(buf[pos + 1:end])
         else:
             end = _skip(buf, pos, max_depth, level=2)
             out[key] = _unpack(buf[pos:end])

@@ -36,7 +36,8 @@ def test_a_large_body_cut_short_is_a_framing_error():
     for body in (b"\x81" + big_bin[:-1],  # the bin ends past the body
                  b"\x82" + big_bin,  # one entry fewer than the map declares
                  b"\x82" + big_bin + b"\xa1x",  # a key without its value
-                 b"\x82" + big_bin + b"\xa5x"):  # a key running past the end
+                 b"\x82" + big_bin + b"\xa5x",  # a key running past the end
+                 b"\x82" + big_bin + b"\xa1x\xa5abc"):  # a str value running past the end
         with pytest.raises(FramingError, match="truncated"):
             unpack_map(body)
 
@@ -45,6 +46,9 @@ def test_a_large_body_with_a_key_that_is_not_utf8_or_not_a_string_is_refused():
     bad_utf8 = b"\x82" + b"\xa2\xff\xfe" + b"\x01" + b"\xa2kv" + b"\xc6" + len(KV).to_bytes(4, "big") + KV
     with pytest.raises(FramingError, match="malformed msgpack"):
         unpack_map(bad_utf8)
+    bad_utf8_value = b"\x82" + b"\xa1x" + b"\xa2\xff\xfe" + b"\xa2kv" + b"\xc6" + len(KV).to_bytes(4, "big") + KV
+    with pytest.raises(FramingError, match="malformed msgpack"):
+        unpack_map(bad_utf8_value)
     int_key = b"\x82" + b"\x07" + b"\x01" + b"\xa2kv" + b"\xc6" + len(KV).to_bytes(4, "big") + KV
     with pytest.raises(FramingError, match="map keys must be strings"):
         unpack_map(int_key)
