@@ -56,6 +56,7 @@ from kvstore.api.metrics import METRICS
 from kvstore.fetch_plan import FetchPlan
 
 Answer = tuple[dict, Any]  # (fields, kv bytes or None)
+Answered = tuple[list[Any], bytes, float]  # (the answer's bytes, its route's path, seconds it took)
 # A route's outcome: its answer, a fetch plan for aiohttp's handler to run, or None (aiohttp's).
 Route = Callable[[web.Application, Any, dict, "str | None"], "Answer | FetchPlan | None"]
 
@@ -127,10 +128,10 @@ class FastPath:
         if lane is not None and lane.planned is not None:
             handlers.release_plan(self.app, lane.planned[1])
 
-    def answer(self, transport: Any, data: bytes) -> list[Any] | FetchPlan | None:
-        """The bytes answering `data` when it is one request this path takes (module docstring);
-        a fetch plan when it is a fetch that needs a thread; else None. With a plan or None,
-        nothing was answered and `data` is aiohttp's."""
+    def answer(self, transport: Any, data: bytes) -> Answered | FetchPlan | None:
+        """The bytes answering `data` when it is one request this path takes (module docstring),
+        with its path and time for `count`; a fetch plan when it is a fetch that needs a thread;
+        else None. With a plan or None, nothing was answered and `data` is aiohttp's."""
         if not data.startswith(b"POST /"):
             return None
         began = time.perf_counter()
@@ -162,10 +163,14 @@ class FastPath:
             return None
         if answer is None or isinstance(answer, FetchPlan):
             return answer
+        return self._encode(*answer), path, time.perf_counter() - began
+
+    def count(self, path: bytes, seconds: float) -> None:
+        """Count an answer of this path in the route's metrics (`Lane.take` calls it once the
+        answer is written: the counting then overlaps the client's reading of it)."""
         requests, latency = self._counted[path]
         requests.inc()
-        latency.observe(time.perf_counter() - began)
-        return self._encode(*answer)
+        latency.observe(seconds)
 
     def _take_head(self, head: bytes) -> tuple[bytes, Route, int, "str | None"] | None:
         """(path, route, Content-Length, tenant) of a request head this path takes, else None.
@@ -244,12 +249,13 @@ class Lane:
         if self.planned is not None:  # idle: the request it was for was answered without it
             handlers.release_plan(self.fast.app, self.planned[1])
             self.planned = None
-        answer = self.fast.answer(self.transport, data)
-        if isinstance(answer, FetchPlan):
-            self.planned = (self.handed + 1, answer)  # `follow` counts this request next
+        answered = self.fast.answer(self.transport, data)
+        if isinstance(answered, FetchPlan):
+            self.planned = (self.handed + 1, answered)  # `follow` counts this request next
             return False
-        if answer is None:
+        if answered is None:
             return False
+        answer, path, seconds = answered
         if len(answer) == 1:
             self.transport.write(answer[0])
         elif self.fast.vectored_writes():  # head and kv in one send: the client wakes once, to all of it
@@ -257,6 +263,7 @@ class Lane:
         else:  # asyncio's writelines before 3.12 joins the parts, a copy of the kv
             for part in answer:
                 self.transport.write(part)
+        self.fast.count(path, seconds)
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         self.fast.catch_up.soon(self.loop)  # the policy learns from it now that the answer is out
