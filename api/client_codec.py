@@ -67,8 +67,12 @@ def kv_bytes(kv: Any) -> tuple[memoryview, str]:
         raise InvalidKV(f"kv: dtype must be one of {', '.join(TORCH_DTYPES)}, got {kv.dtype}", field="kv")
     if kv.dim() != 5:
         raise InvalidKV(f"kv: expected shape (L, 2, T, H, D), got {tuple(kv.shape)}", field="kv")
-    flat = kv.detach().cpu().contiguous().view(-1).view(torch.uint8)
-    return memoryview(flat.numpy()), _DTYPE_NAMES[kv.dtype]
+    dense = kv.detach().cpu().contiguous()
+    if dense.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits, as bytes, by torch
+        return memoryview(dense.view(-1).view(torch.uint8).numpy()), _DTYPE_NAMES[kv.dtype]
+    # numpy's view of the same memory, cast to bytes: torch's two views cost twice as much.
+    array = dense.numpy()
+    return memoryview(array).cast("B") if array.size else memoryview(b""), _DTYPE_NAMES[kv.dtype]
 
 
 def small_body(fields: dict[str, Any]) -> bytes:

@@ -65,6 +65,8 @@ MAX_HEAD_BYTES = 8190  # aiohttp's default line limit; a whole head past it is n
 HEAD_CACHE_ENTRIES = 256  # distinct heads kept (emptied when full): clients' heads differ by Content-Length
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP header name (RFC 9110 token), lowercased
 _REFUSED_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+_ANSWER_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: " + wire.MSGPACK.encode()
+                + b"\r\nContent-Length: %d\r\nDate: %s\r\n\r\n")  # with its length and date
 
 
 def _lookup(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
@@ -212,8 +214,7 @@ class FastPath:
         second = int(time.time())
         if self._date[0] != second:  # formatted once a second, as aiohttp does
             self._date = (second, email.utils.formatdate(second, usegmt=True).encode())
-        return (b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\nDate: %s\r\n\r\n"
-                % (wire.MSGPACK.encode(), content_length, self._date[1]))
+        return _ANSWER_HEAD % (content_length, self._date[1])
 
 
 class Lane:

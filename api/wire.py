@@ -47,6 +47,7 @@ DEFAULT_TYPES = frozenset({"", "application/octet-stream"})
 MAX_BODY_DEPTH = 3
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> its name in answers
 _TOKEN_DTYPE = np.dtype("<i4")  # made once: numpy parses a dtype string on every call
+_NUMPY_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}  # numpy has no bfloat16
 _SHM_FIELDS = ("offset", "nbytes")
 
 
@@ -264,6 +265,9 @@ def kv_tensor(kv: memoryview, spec: ModelSpec, num_tokens: int, dtype: str | Non
                         f"{expected} bytes, got {kv.nbytes}", field="kv")
     if not expected:
         return torch.empty(spec.kv_shape(0), dtype=TORCH_DTYPES[spec.dtype])
+    np_dtype = _NUMPY_DTYPES.get(spec.dtype)
+    if np_dtype is not None:  # viewed by numpy: torch.frombuffer and its view cost twice as much
+        return torch.from_numpy(np.frombuffer(kv, dtype=np_dtype).reshape(spec.kv_shape(num_tokens)))
     return torch.frombuffer(kv, dtype=TORCH_DTYPES[spec.dtype]).view(spec.kv_shape(num_tokens))  # (L, 2, T, H, D)
 
 
