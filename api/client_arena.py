@@ -13,8 +13,10 @@ workload keeps reusing the same, already-faulted pages). Invariants of the free 
   - every byte of the usable range is either in one free run or in exactly one live region.
 
 A fetch answer stays in its region for as long as the tensor viewing it lives: the region goes
-back to the free list when the last view of it is garbage (a finalizer on the numpy array the
-tensor was built from). A tensor kept forever therefore keeps its region; when no free run is
+back to the free list when the last view of it is garbage (a weak reference's callback on the
+numpy array the tensor was built from). A callback that fires while the arena's lock is held
+(the collector can run inside any allocation, on the thread holding it) never waits for it: the
+region is queued and the next call that takes the lock gives it back. A tensor kept forever therefore keeps its region; when no free run is
 large enough the client simply uses the socket for that call.
 """
 from __future__ import annotations
@@ -56,6 +58,10 @@ class ClientArena:
         # id(weak reference) -> (it, offset, allocated bytes) of each adopted region: keeps the
         # reference alive until its array dies and its callback releases the region.
         self._adopted: dict[int, tuple[weakref.ref, int, int]] = {}
+        # (offset, allocated bytes) of adopted regions whose array died while the lock was held
+        # (the collector runs inside any allocation, on the thread that holds the lock); the
+        # next locked call gives them back. Appended without the lock: list.append is atomic.
+        self._died: list[tuple[int, int]] = []
 
     def registration(self) -> dict[str, object]:
         """The body of POST /v1/shm."""
@@ -65,6 +71,8 @@ class ClientArena:
         """Offset of a free region of `nbytes` (rounded up to ALIGN_BYTES), or None if none fits."""
         size = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
         with self._lock:
+            if self._died:
+                self._release_died()
             for i, (offset, run) in enumerate(self._free):
                 if run >= size:
                     if run == size:
@@ -75,19 +83,32 @@ class ClientArena:
         return None
 
     def release(self, offset: int, nbytes: int) -> None:
-        size = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
         with self._lock:
-            i = bisect.bisect(self._free, (offset, 0))
-            if i < len(self._free) and offset + size == self._free[i][0]:  # merge with the next run
-                size += self._free.pop(i)[1]
-            if i and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # and with the previous one
-                offset, size = self._free[i - 1][0], self._free[i - 1][1] + size
-                i -= 1
-                del self._free[i]
-            self._free.insert(i, (offset, size))
+            self._release(offset, nbytes)
+            if self._died:
+                self._release_died()
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """`release`, under the lock."""
+        size = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        i = bisect.bisect(self._free, (offset, 0))
+        if i < len(self._free) and offset + size == self._free[i][0]:  # merge with the next run
+            size += self._free.pop(i)[1]
+        if i and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # and with the previous one
+            offset, size = self._free[i - 1][0], self._free[i - 1][1] + size
+            i -= 1
+            del self._free[i]
+        self._free.insert(i, (offset, size))
+
+    def _release_died(self) -> None:
+        died = self._died
+        while died:
+            self._release(*died.pop())
 
     def free_bytes(self) -> int:
         with self._lock:
+            if self._died:
+                self._release_died()
             return sum(run for _, run in self._free)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
@@ -114,7 +135,13 @@ class ClientArena:
 
     def _adopted_died(self, ref: weakref.ref) -> None:
         _, offset, allocated = self._adopted.pop(id(ref))
-        self.release(offset, allocated)
+        # Never wait for the lock here: this thread may be the one holding it (see `_died`).
+        self._died.append((offset, allocated))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._release_died()
+            finally:
+                self._lock.release()
 
     def close(self) -> None:
         """Unmap and close the memfd; the sidecar's mappings keep the memory until it drops them.

@@ -10,6 +10,7 @@ import fcntl
 import gc
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -203,6 +204,30 @@ def test_arena_allocates_first_fit_and_merges_on_release():
         assert bytes(arena.view(0, SECRET_BYTES)) == arena.secret
         with pytest.raises(OSError):
             os.ftruncate(arena.fd, ALIGN_BYTES)  # sealed: the sidecar's mapping can never shrink
+    finally:
+        arena.close()
+
+
+def test_a_region_whose_array_dies_while_the_arena_is_locked_comes_back_without_a_deadlock():
+    # The collector can free an adopted array's cycle inside allocate or release, on the thread
+    # that holds the arena's lock: its release must wait for the lock to be free, not take it.
+    arena = ClientArena(HEADER_BYTES + 8 * ALIGN_BYTES)
+    try:
+        offset = arena.allocate(ALIGN_BYTES)
+        holder = [arena.adopt(offset, ALIGN_BYTES, ALIGN_BYTES)]
+        free_before = arena.free_bytes()
+        done = threading.Event()
+
+        def drop_while_locked() -> None:
+            with arena._lock:
+                holder.clear()  # the last reference: its release runs here, inside the lock
+            done.set()
+        worker = threading.Thread(target=drop_while_locked, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert done.is_set(), "the release deadlocked on the arena's own lock"
+        assert arena.free_bytes() == free_before + ALIGN_BYTES
+        assert arena.allocate(ALIGN_BYTES) == offset  # and it is handed out again
     finally:
         arena.close()
 
