@@ -16,8 +16,9 @@ A fetch answer stays in its region for as long as the tensor viewing it lives: t
 back to the free list when the last view of it is garbage (a weak reference's callback on the
 numpy array the tensor was built from). A callback that fires while the arena's lock is held
 (the collector can run inside any allocation, on the thread holding it) never waits for it: the
-region is queued and the next call that takes the lock gives it back. A tensor kept forever therefore keeps its region; when no free run is
-large enough the client simply uses the socket for that call.
+region is queued and the next call that takes the lock gives it back. A tensor kept forever
+therefore keeps its region; when no free run is large enough the client simply uses the socket
+for that call.
 """
 from __future__ import annotations
 

@@ -88,3 +88,15 @@ def test_bools_and_floats_are_refused_either_side_of_the_limit(n):
     for bad in (True, 1.0):
         with pytest.raises(InvalidTokens, match="tokens: every token id must be an integer"):
             token_bytes([5] * (n - 1) + [bad], max_tokens=1 << 20)
+
+
+@pytest.mark.parametrize("n", [1, SMALL_TOKEN_LIST, SMALL_TOKEN_LIST + 1])
+def test_int32_arrays_are_checked_either_side_of_the_limit(n):
+    # The sidecar's tokens: an int32 LE view of the request body.
+    ids = np.array([(i * 7919) % (1 << 31) for i in range(n - 1)] + [(1 << 31) - 1], dtype="<i4")
+    assert token_bytes(ids, max_tokens=1 << 20) == ids.tobytes()
+    for at in (0, n - 1):
+        bad = ids.copy()
+        bad[at] = -1
+        with pytest.raises(InvalidTokens, match=r"tokens: token ids must be in \[0, 2147483647\]"):
+            token_bytes(bad, max_tokens=1 << 20)
