@@ -250,4 +250,4 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
                     needs_io = needs_io or src is None
                 reads.append((node, offset, used, tier, src))
             offset += used
-        return FetchPlan(state, spec, start, dev, into, count, path, reads, match.matched_tokens, needs_io)
+        return FetchPlan(state, spec, start, dev, into, count, path, reads, matched, needs_io)

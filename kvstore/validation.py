@@ -49,10 +49,7 @@ def token_bytes(tokens: Any, *, max_tokens: int, field: str = "tokens") -> bytes
             if tokens.size > max_tokens:
                 raise InvalidTokens(f"{field}: {tokens.size} tokens exceeds the limit of {max_tokens}", field=field)
             packed = tokens.tobytes()
-            # A few ids: the builtin min() over the bytes viewed as native ints (little-endian
-            # hosts) costs less than numpy's reduction, which has a fixed cost per call.
-            if packed and (min(memoryview(packed).cast("i")) if tokens.size <= SMALL_TOKEN_LIST and _NATIVE_INT32_LE
-                           else int(tokens.min())) < 0:
+            if _lowest_id(packed, tokens.size) < 0:
                 raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field)
             return packed
         if isinstance(tokens, torch.Tensor):
@@ -83,19 +80,27 @@ def token_bytes(tokens: Any, *, max_tokens: int, field: str = "tokens") -> bytes
     if not (set(map(type, tokens)) <= _INT_ONLY if n <= SMALL_TOKEN_LIST else list(map(type, tokens)).count(int) == n):
         tokens = _indexes(tokens, set(map(type, tokens)), field)  # numpy or torch integer scalars, say
     # A struct packs ids for a third to a half of what array('i') costs (which parses each id
-    # with a format); a few ids by a prebuilt one, then the builtin min() of the ints, more by
-    # one built for their number (a fraction of their packing), then numpy's reduction.
+    # with a format): a few ids by a prebuilt one, more by one built for their number (a
+    # fraction of their packing). A few ids at hand as ints: the builtin min() of them.
     try:
         packed = (_INT32_LE_PACKERS[n] if n <= SMALL_TOKEN_LIST else struct.Struct(f"<{n}i")).pack(*tokens)
     except struct.error:
         raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}]", field=field) from None
-    if n <= SMALL_TOKEN_LIST:
-        lowest = min(tokens) if n else 0
-    else:
-        lowest = int(np.frombuffer(packed, dtype=_INT32_LE).min())
+    lowest = min(tokens) if 0 < n <= SMALL_TOKEN_LIST else _lowest_id(packed, n)
     if lowest < 0:
         raise InvalidTokens(f"{field}: token ids must be in [0, {MAX_TOKEN_ID}], got {lowest}", field=field)
     return packed
+
+
+def _lowest_id(packed: bytes, n: int) -> int:
+    """The smallest of the `n` int32 LE ids in `packed` (0 for none). A few: the builtin min()
+    over the bytes viewed as native ints (little-endian hosts), which costs less than numpy's
+    reduction and its fixed cost per call; more: numpy's."""
+    if not n:
+        return 0
+    if n <= SMALL_TOKEN_LIST and _NATIVE_INT32_LE:
+        return min(memoryview(packed).cast("i"))
+    return int(np.frombuffer(packed, dtype=_INT32_LE).min())
 
 
 def _indexes(tokens: Any, types: set[type], field: str) -> list[int]:
