@@ -253,7 +253,7 @@ def pack_map_prefix(fields: Mapping[str, Any], bin_key: str, bin_nbytes: int) ->
     """
     count = len(fields)
     packed = msgpack.packb(fields, use_bin_type=True)
-    skip = 1 if count <= 15 else 3 if count <= 0xFFFF else 5  # msgpack's header for `count` entries
+    skip = len(_map_header_bytes(count))  # the header msgpack wrote for `count` entries
     return b"".join((_map_header_bytes(count + 1), memoryview(packed)[skip:], msgpack.packb(bin_key),
                      bin_header(bin_nbytes)))
 

@@ -214,7 +214,7 @@ def shm_region(value: Any) -> tuple[int, int] | None:
         raise InvalidRequest(f"shm: expected a map with exactly offset and nbytes, got {_show(value)}", field="shm")
     for name in _SHM_FIELDS:
         v = value[name]
-        if type(v) is not int and (isinstance(v, bool) or not isinstance(v, int)) or not 0 <= v < 1 << 40:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 40:
             raise InvalidRequest(f"shm.{name}: expected an int in [0, 2**40), got {_show(v)}", field="shm")
     return value["offset"], value["nbytes"]
 
