@@ -14,6 +14,7 @@ from kvstore.api import wire
 from kvstore.api.context import CONFIG, EXECUTOR, SHARED_MEMORY, STORE, run_blocking, tenant_of
 from kvstore.api.metrics import METRICS
 from kvstore.api.openapi import openapi_document
+from kvstore.errors import StoreBusy
 from kvstore.fetch_plan import FetchPlan
 
 
@@ -182,7 +183,12 @@ def store_inline(app: web.Application, job: StoreJob) -> dict | None:
         return None
     kvstore = app[STORE]
     with kvstore.unless_busy() as free:
-        return job() if free and kvstore.stores_in_memory(job.nbytes) else None
+        if not free or not kvstore.stores_in_memory(job.nbytes):
+            return None
+        try:
+            return job()
+        except StoreBusy:  # it met pages another request is still writing: wait for them on a thread
+            return None
 
 
 def put_pages(req: wire.StoreRequest, tenant: str | None) -> PutKV:

@@ -112,6 +112,13 @@ class BackendUnavailable(KVStoreError):
     status = 503
 
 
+class StoreBusy(Exception):
+    """Raised only inside `KVStore.unless_busy`: the call would have to wait for another thread
+    (a store met pages another store is still writing). Nothing was done; the caller runs the
+    call again where it may wait (the sidecar: on a pool thread). Not a `KVStoreError`: it never
+    reaches a client."""
+
+
 ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {}
 
 

@@ -145,8 +145,8 @@ class FetchPlan:
                     if state.index.get(node.key) is node:
                         state.placement.remove_from(node, tier)
                 state.drain_lost_copies()
-        if self.count:
-            state.counters["fetched_tokens"] += max(0, matched - start)
+                if self.count:
+                    state.counters["fetched_tokens"] += max(0, matched - start)
         if matched <= start:
             return FetchResult(matched, empty_kv(spec, dev))
         return FetchResult(matched, out if matched == self.matched_tokens else out[:, :, :matched - start])

@@ -12,6 +12,14 @@ longer tail with the same first tokens serves every prompt the shorter one did, 
 drops the shorter one, and a new tail whose tokens a cached sibling already starts with is that
 sibling (nothing is stored twice).
 
+Read-your-writes: a store acknowledges (`stored_tokens`) only pages every lookup can match as
+it returns. A page another store is still writing (in the tree, not yet `ready`) is neither
+counted as stored nor written twice: the store waits under the lock's condition
+(`StoreState.published`) until its writer publishes it, or gives it up, and then looks at the
+page again (ready: it is cached; gone: this store writes it). A store waits only before it
+inserts a page of its own, so two stores never wait on each other. Inside `unless_busy` it
+raises StoreBusy instead, having pinned nothing.
+
 Invariant: a page's node is matchable (`ready`) only after all its bytes are written; a store
 that fails midway removes the room it reserved and leaves the cached pages as they were.
 """
@@ -24,7 +32,7 @@ import torch
 
 from kvstore.config import ModelSpec
 from kvstore.copy import copy_bytes, host_array, host_bytes
-from kvstore.errors import InsufficientStorage
+from kvstore.errors import InsufficientStorage, StoreBusy
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
 from kvstore.results import FetchResult, StoreResult
@@ -46,6 +54,8 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
         # store, so every stored page is whole.
         head = fetch(root_key, spec, tb[:start * TOKEN_BYTES], page_start, kv.device, False)
         if head.matched_tokens < start:
+            with state.lock:
+                state.counters["stores"] += 1
             return StoreResult(head.matched_tokens, 0)
         kv = torch.cat([head.kv.to(kv.device), kv], dim=2)
         start = page_start
@@ -54,6 +64,7 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     path: list[Node] = []
     stored_tokens = 0
     with state.lock:
+        state.counters["stores"] += 1
         state.drain_lost_copies()
         clock = state.tick()
         parent = index.root(root_key, namespace)
@@ -65,8 +76,18 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
             ptoks = tb[s * TOKEN_BYTES:e * TOKEN_BYTES]
             key = page_key(parent.key, ptoks)
             node = find(key) or (covering_sibling(parent, ptoks) if e - s < P else None)
+            while node is not None and not node.ready and node.tiers:
+                # Another store is writing this page (a page that lost its last copy holds no
+                # tier): wait until it is published or given up, then look again. Nothing of
+                # this store's own is inserted yet: past its first new page, every page is new.
+                assert not writes, "a store waits only before it writes"
+                if state.must_not_wait:
+                    placement.unpin_all(path)
+                    raise StoreBusy("store: pages of this sequence are being written by another request")
+                state.published.wait()
+                node = find(key) or (covering_sibling(parent, ptoks) if e - s < P else None)
             if node is not None:
-                if node.parent is not parent or not node.tokens.startswith(ptoks) or not (node.ready or node.pins):
+                if node.parent is not parent or not node.tokens.startswith(ptoks) or not node.ready:
                     break  # a key collision or a page on its way out: stop here, store nothing wrong
                 pin(node)
                 touch(node, clock)
@@ -138,9 +159,17 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
                 if ok and node.ready and node.tiers and shared.name not in node.tiers:  # type: ignore[union-attr]
                     placement.add(node, shared.name, tiers.size_in(node, shared.name))  # type: ignore[union-attr]
                     shared.put(record)  # type: ignore[union-attr]
-            placement.unpin_all(path)
             if ok:
                 state.counters["stored_pages"] += len(writes)
+                # Acknowledge only what a lookup can match now: a page of the path that lost its
+                # copy meanwhile (it is pinned, so only a tier's own loss) ends the match there.
+                for i, node in enumerate(path):
+                    if not node.ready:
+                        stored_tokens = min(stored_tokens, i * P)
+                        break
+            placement.unpin_all(path)
+            if writes:
+                state.published.notify_all()  # stores waiting for these pages look at them again
     if durable:
         for ticket in durable:
             ticket.wait()

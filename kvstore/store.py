@@ -18,7 +18,6 @@ tier (gpu, else cpu, else disk) that can make room.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Sequence
 
 import torch
@@ -182,7 +181,6 @@ class KVStore:
         n_tokens = len(tb) // TOKEN_BYTES
         start = check_start(start, n_tokens)
         kv = check_kv(kv, entry.spec, n_tokens - start)
-        self._state.counters["stores"] += 1
         return store_pages(self._state, self._fetch, entry.namespace, entry.namespace, entry.spec, tb, kv, start)
 
     def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None) -> StoreResult:
@@ -191,7 +189,6 @@ class KVStore:
         entry = self._model(model, tenant)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         kv = check_kv(kv, entry.spec, len(tb) // TOKEN_BYTES)
-        self._state.counters["stores"] += 1
         return store_pages(self._state, self._fetch, chunk_key(entry.namespace, tb), entry.namespace, entry.spec,
                            tb, kv, 0)
 
@@ -217,8 +214,10 @@ class KVStore:
 
         Store calls inside the block take the lock again without waiting. The caller must only
         do, inside, work that waits on nothing (no shared-tier probe, no disk, small copies:
-        `fetch_in_memory`, `stores_in_memory`): other threads wait for the block to end."""
-        return UnlessBusy(self._lock)
+        `fetch_in_memory`, `stores_in_memory`): other threads wait for the block to end. A store
+        that would have to wait for pages another thread is writing raises `StoreBusy` instead,
+        having done nothing."""
+        return UnlessBusy(self._state)
 
     @property
     def has_shared_tier(self) -> bool:
@@ -286,22 +285,30 @@ class KVStore:
 
 class UnlessBusy:
     """`KVStore.unless_busy`'s block: a non-blocking acquire of the store's lock, released at
-    the end of the block if it was taken. (A class: a generator context manager costs a few
-    times more, on every request the event loop answers.)"""
+    the end of the block if it was taken; while it is held, the store must not wait
+    (`StoreState.must_not_wait`). (A class: a generator context manager costs a few times more,
+    on every request the event loop answers.)"""
 
-    __slots__ = ("lock", "free")
+    __slots__ = ("state", "free", "outer")
 
-    def __init__(self, lock: threading.RLock):
-        self.lock = lock
+    def __init__(self, state: StoreState):
+        self.state = state
         self.free = False
+        self.outer = False  # must_not_wait as this block found it (blocks may nest)
 
     def __enter__(self) -> bool:
-        self.free = self.lock.acquire(blocking=False)
-        return self.free
+        state = self.state
+        self.free = free = state.lock.acquire(blocking=False)
+        if free:
+            self.outer = state.must_not_wait
+            state.must_not_wait = True
+        return free
 
     def __exit__(self, *exc: Any) -> None:
         if self.free:
-            self.lock.release()
+            state = self.state
+            state.must_not_wait = self.outer
+            state.lock.release()
 
 
 def _device(device: str) -> torch.device:

@@ -6,7 +6,9 @@ Invariants:
   allocated and released), `clock` and `counters` change only under `lock`;
 - page bytes are copied outside the lock, on pinned pages only: a pinned page is never evicted,
   so its slot or record cannot be reused under the copy;
-- a page is matchable only once `ready`: its bytes are all written before it is marked so.
+- a page is matchable only once `ready`: its bytes are all written before it is marked so;
+- a store acknowledges only pages that are `ready`: one that meets a page another store is still
+  writing waits on `published` until that store publishes it or gives it up (page_writes.py).
 
 `KVStore` (kvstore/store.py) is the façade over this; the operations live in their own
 modules (fetch_plan.py, page_writes.py, shared_probe.py, blend.py, store_stats.py).
@@ -30,6 +32,12 @@ class StoreState:
         self.config = config
         # Re-entrant: a caller that holds it (KVStore.unless_busy) may call any store method.
         self.lock = threading.RLock()
+        # Notified whenever a store publishes its pages or gives them up: a store that met a page
+        # another one was writing waits here for it (kvstore/page_writes.py).
+        self.published = threading.Condition(self.lock)
+        # True while a caller that must never wait holds the lock (KVStore.unless_busy): a store
+        # that would wait for another's page raises StoreBusy instead.
+        self.must_not_wait = False
         self.index = PageIndex()
         self.registry = ModelRegistry(config.data_dir if config.disk_bytes else None)
         self.tiers = tiers = TierStack(config, self.registry)
