@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="a user message, through the model's chat template; the answer streams as text")
+    prompt.add_argument("--prompt", help="a user message, through the model's chat template (streams the answer)")
     prompt.add_argument("--prompt-tokens", help="comma-separated token ids, e.g. 1,2,3 (prints token ids)")
     prompt.add_argument("--prompt-file", type=Path, help="file of token ids separated by commas or whitespace")
     gen.add_argument("--system", default=None, help="with --prompt: a system message (default: the template's own)")

@@ -45,7 +45,8 @@ def test_generate_rejects_bad_tokens(capsys: pytest.CaptureFixture) -> None:
 
 def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("kvstore.api.client")
-    assert run(["demo", "--model", "tiny", "--turns", "2", "--system-tokens", "64", "--turn-tokens", "8", "--max-new-tokens", "4"]) == 0
+    assert run(["demo", "--model", "tiny", "--turns", "2", "--system-tokens", "64", "--turn-tokens", "8",
+                "--max-new-tokens", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "reused 0;" in lines[1] and "reused 75;" in lines[2]  # 64 + 8 + 4 - 1
     assert all("same tokens" in line for line in lines[1:])
