@@ -81,8 +81,9 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
                 # tier): wait until it is published or given up, then look again. Nothing of
                 # this store's own is inserted yet: past its first new page, every page is new.
                 assert not writes, "a store waits only before it writes"
-                if state.must_not_wait:
+                if state.must_not_wait:  # as if never called: the caller runs it again
                     placement.unpin_all(path)
+                    state.counters["stores"] -= 1
                     raise StoreBusy("store: pages of this sequence are being written by another request")
                 state.published.wait()
                 node = find(key) or (covering_sibling(parent, ptoks) if e - s < P else None)

@@ -11,6 +11,7 @@ import threading
 import torch
 
 from kvstore import ModelSpec
+from kvstore.errors import StoreBusy
 
 # 64 KiB pages: each page's copy into the CPU tier takes long enough for other threads to
 # reach the same pages while it runs.
@@ -69,3 +70,38 @@ def test_a_lookup_after_a_concurrent_store_returns_sees_what_it_acknowledged(mak
     store.register_model("m", SPEC)
     short = _race(store, 150, lambda tokens: store.lookup("m", tokens).matched_tokens)
     assert short == [], f"{len(short)} of {150 * THREADS} lookups matched less than their store acknowledged"
+
+
+def test_a_store_that_must_not_wait_refuses_pages_in_flight_and_does_nothing(make_store):
+    # Inside unless_busy (the sidecar's event loop) a store that meets pages another thread is
+    # writing raises StoreBusy instead of waiting; run again outside, it acknowledges them all.
+    spec = ModelSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)  # 512 KiB pages
+    store = make_store(cpu_bytes=512 << 20, disk_bytes=0)
+    store.register_model("m", spec)
+    refused = 0
+    for attempt in range(20):
+        tokens = list(range(attempt * 10_000, attempt * 10_000 + 64 * 16))  # 64 pages: 32 MiB to copy
+        kv = torch.zeros(spec.kv_shape(len(tokens)), dtype=torch.float16)
+        writer = threading.Thread(target=store.store, args=("m", tokens, kv))
+        pages_before = store.stats()["pages"]
+        writer.start()
+        while store.stats()["pages"] == pages_before and writer.is_alive():
+            pass  # until the writer has planned its pages (in the tree, not yet readable)
+        with store.unless_busy() as free:
+            assert free
+            in_flight = store.lookup("m", tokens).matched_tokens == 0
+            stores = store.stats()["stores"]
+            try:
+                result = store.store("m", tokens, kv)
+            except StoreBusy:
+                refused += 1
+                assert in_flight
+                assert store.stats()["stores"] == stores  # the refused store did nothing
+            else:
+                assert not in_flight and result.stored_tokens == len(tokens)
+        assert store.store("m", tokens, kv).stored_tokens == len(tokens)
+        writer.join()
+        assert store.fetch("m", tokens).matched_tokens == len(tokens)
+        if refused >= 3:
+            break
+    assert refused >= 3
