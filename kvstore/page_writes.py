@@ -85,7 +85,11 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
                     placement.unpin_all(path)
                     state.counters["stores"] -= 1
                     raise StoreBusy("store: pages of this sequence are being written by another request")
-                state.published.wait()
+                state.waiting += 1
+                try:
+                    state.published.wait()
+                finally:
+                    state.waiting -= 1
                 node = find(key) or (covering_sibling(parent, ptoks) if e - s < P else None)
             if node is not None:
                 if node.parent is not parent or not node.tokens.startswith(ptoks) or not node.ready:
@@ -169,7 +173,7 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
                         stored_tokens = min(stored_tokens, i * P)
                         break
             placement.unpin_all(path)
-            if writes:
+            if writes and state.waiting:
                 state.published.notify_all()  # stores waiting for these pages look at them again
     if durable:
         for ticket in durable:

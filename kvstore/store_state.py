@@ -35,6 +35,7 @@ class StoreState:
         # Notified whenever a store publishes its pages or gives them up: a store that met a page
         # another one was writing waits here for it (kvstore/page_writes.py).
         self.published = threading.Condition(self.lock)
+        self.waiting = 0  # stores waiting on `published` (publishing notifies only if any)
         # True while a caller that must never wait holds the lock (KVStore.unless_busy): a store
         # that would wait for another's page raises StoreBusy instead.
         self.must_not_wait = False
