@@ -1,6 +1,7 @@
 """Run every reliability scenario at full size and print the README's Reliability table.
 
-    python bench/chaos.py [--json FILE] [--load-s 60] [--crash-rounds 25] [--page-trials 500] [--only corruption]
+    python bench/chaos.py [--json FILE] [--load-s 60] [--crash-rounds 25] [--page-trials 500]
+                          [--concurrency-ops 1000000] [--only corruption|concurrency]
 
 Scenarios live in bench/reliability/ (tests/reliability/ runs the same code small). Hostile
 input (schemathesis, hypothesis) and tenants are tests only: `pytest tests/reliability`.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.reliability.concurrency import ConcurrencyReport, run_in_process, run_restarts, run_sidecar  # noqa: E402
 from bench.reliability.corruption import run_flips, run_page_damage, run_payloads  # noqa: E402
 from bench.reliability.crash import run_crash  # noqa: E402
 from bench.reliability.full_disk import run_full_disk  # noqa: E402
@@ -28,13 +30,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crash-rounds", type=int, default=25)
     parser.add_argument("--load-s", type=float, default=60.0)
     parser.add_argument("--page-trials", type=int, default=500, help="reopenings after leaf/branch page damage")
-    parser.add_argument("--only", choices=["corruption"], help="run only these scenarios")
+    parser.add_argument("--concurrency-ops", type=int, default=1_000_000,
+                        help="operations checked in-process and again through the sidecar (60%% with nothing "
+                             "evicted, 40%% with constant eviction); a twentieth more against a sidecar killed "
+                             "and restarted")
+    parser.add_argument("--only", choices=["corruption", "concurrency"], help="run only these scenarios")
     parser.add_argument("--json", help="write every report here")
     args = parser.parse_args(argv)
     rows: list[tuple[str, str]] = []
     reports: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.only in (None, "concurrency"):
+            _concurrency(work, args.concurrency_ops, rows, reports)
+        if args.only == "concurrency":
+            _print(rows, reports, args.json)
+            return 0
         crash_modes = () if args.only else (("write-through", args.crash_rounds),
                                             ("write-back", max(5, args.crash_rounds // 2)))
         for mode, rounds in crash_modes:
@@ -97,6 +108,31 @@ def main(argv: list[str] | None = None) -> int:
                      "at --max-connections 64"))
     _print(rows, reports, args.json)
     return 0
+
+
+def _concurrency(work: Path, ops: int, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
+    runs = [("in-process", "nothing evicted", run_in_process, ops * 3 // 5),
+            ("in-process", "constant eviction", run_in_process, ops - ops * 3 // 5),
+            ("sidecar", "nothing evicted", run_sidecar, ops * 3 // 5),
+            ("sidecar", "constant eviction", run_sidecar, ops - ops * 3 // 5)]
+    for i, (path, capacity, run, n) in enumerate(runs):
+        r = run(work / f"concurrency-{i}", ops=n, capacity=capacity, seed=10 + i)
+        reports[f"concurrency_{path}_{capacity.replace(' ', '_')}"] = r
+        rows.append((f"concurrency, {r.path}, {capacity}: 8 {'threads' if path == 'in-process' else 'clients'}",
+                     _concurrency_result(r)))
+    r = run_restarts(work / "concurrency-restarts", ops=max(2_000, ops // 20), kills=max(1, ops // 200_000), seed=20)
+    reports["concurrency_restarts"] = r
+    rows.append((f"concurrency, {r.path}: 8 clients, {r.kills} kills", _concurrency_result(r)))
+
+
+def _concurrency_result(r: ConcurrencyReport) -> str:
+    kinds = ", ".join(f"{n:,} {kind}" for kind, n in r.by_kind.items())
+    rules = f"{r.wrong_kv} wrong KV, {r.over_matched} over-matched"
+    if r.capacity == "nothing evicted":
+        rules += f", {r.under_matched} under-matched (read-your-writes)"
+    counters = "" if r.kills else f", {len(r.counter_mismatches)} counter mismatches"
+    return (f"{r.ops:,} operations ({kinds}), {r.checked:,} answered and checked, {r.evictions:,} evictions: "
+            f"{rules}{counters}, {len(r.unexpected_errors)} unexpected errors ({r.duration_s:.0f} s)")
 
 
 def _print(rows: list[tuple[str, str]], reports: dict[str, object], json_path: str | None) -> None:
