@@ -18,7 +18,7 @@ counted as stored nor written twice: the store waits under the lock's condition
 (`StoreState.published`) until its writer publishes it, or gives it up, and then looks at the
 page again (ready: it is cached; gone: this store writes it). A store waits only before it
 inserts a page of its own, so two stores never wait on each other. Inside `unless_busy` it
-raises StoreBusy instead, having pinned nothing.
+raises StoreBusy instead, with nothing left pinned or counted.
 
 Invariant: a page's node is matchable (`ready`) only after all its bytes are written; a store
 that fails midway removes the room it reserved and leaves the cached pages as they were.
