@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from integrations.sidecar_process import Sidecar  # noqa: E402
 from kvstore import KVStoreClient  # noqa: E402
 from kvstore.decode.attention import AttentionContext  # noqa: E402
 from kvstore.decode.engine import generate  # noqa: E402
@@ -60,42 +60,6 @@ def prompt_tokens(seed: int, n: int) -> list[int]:
 SHARED = prompt_tokens(0, PREFIX)  # each test's prompts come from seeds no other test uses
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Sidecar:
-    """`kvstore serve` in its own process: disk tier only, so every fetch reads LMDB."""
-
-    def __init__(self, data_dir: Path, auth_file: Path):
-        self.data_dir, self.auth_file, self.port = data_dir, auth_file, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
-                                      "--data-dir", str(self.data_dir), "--cpu-bytes", "0", "--disk-bytes", "64MiB",
-                                      "--auth-file", str(self.auth_file), "--log-level", "warning"])
-        deadline = time.monotonic() + 60
-        with KVStoreClient(self.url, token="tok-default", timeout_s=2) as client:
-            while True:
-                try:
-                    if client.healthz():
-                        return
-                except Exception:
-                    if time.monotonic() > deadline or self.proc.poll() is not None:
-                        raise
-                time.sleep(0.2)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(30)
-            self.proc = None
-
-
 @pytest.fixture(scope="module")
 def checkpoint(checkpoints) -> Path:
     return checkpoints["gqa"]
@@ -105,7 +69,7 @@ def checkpoint(checkpoints) -> Path:
 def sidecar(tmp_path_factory):
     root = tmp_path_factory.mktemp("sidecar")
     (root / "auth.json").write_text(json.dumps(TOKENS))
-    side = Sidecar(root / "data", root / "auth.json")
+    side = Sidecar(root / "data", root / "auth.json", default_token="tok-default")
     side.start()
     yield side
     side.kill()
