@@ -1,13 +1,17 @@
 """vLLM's time to first token with kvstore as its KV connector, against a full prefill and against
 vLLM's own prefix cache, in one run.
 
-    python bench/vllm_ttft.py [--sizes 2048,8192] [--json out.json]
+    python bench/vllm_ttft.py [--sizes 1024,2048,4096,8191] [--json out.json] [--random-model]
 
-A random Llama for which prefill dominates on a CPU (bench/ttft.py's: 4 layers, hidden 512, 8
-query heads over 2 KV heads of 64; 32k vocabulary) is written with transformers, then served by
-vLLM's CPU build, each engine a fresh process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler and worker in it, so the in-process store is really
-in-process; enforce_eager). Prompts are random token ids, one per size, the same in every engine.
+The model is SmolLM2-135M-Instruct (`kvstore model pull smollm2`: 30 layers, hidden 576, 9 query
+heads over 3 KV heads of 64, float32 weights, 8k context), served by vLLM's CPU build, each
+engine a fresh process (VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler and worker in it, so the
+in-process store is really in-process; enforce_eager; vLLM's default chunked prefill). The
+prompts are real text: sections of Python's own documentation (pydoc_data.topics) joined and
+tokenized with the model's tokenizer, cut to each size, one per size, the same in every engine.
+The largest default size, 8191 tokens, fills the model's context with the first output token.
+`--random-model` serves a random-weight Llama with random token ids instead (4 layers, hidden
+512, 8 query heads over 2 KV heads of 64, 32k vocabulary), which needs no download.
 
     baseline  no connector: full prefill; then the same prompt again, a hit in vLLM's own prefix
               cache (the floor: the KV is already in the engine's memory)
@@ -16,17 +20,19 @@ in-process; enforce_eager). Prompts are random token ids, one per size, the same
               emptied (reset_prefix_cache): a hit in the store's CPU tier
     disk      a new engine on the same store directory: the first request is served by the disk
               tier (LMDB, through the OS page cache, as a warm disk is)
-    shm       connector to `kvstore serve` on loopback (shared memory moves the KV): nothing to
-              hit, then a hit with vLLM's cache emptied
+    shm       connector to `kvstore serve` on loopback (shared memory, sized for the largest
+              prompt's KV, moves it): nothing to hit, then a hit with vLLM's cache emptied
     tcp       a new engine on the same sidecar with shared memory off: the KV comes over TCP
 
-Every engine first prefills a prompt of each size that no row uses (one-time costs of a new batch
-shape). Hits are the best of `--repeats` (vLLM's cache emptied before each; the disk row is one
-request, since a hit promotes its pages to the CPU tier). Full and miss prefills run once. Next
-to each TTFT: the seconds the connector itself spent (fetch, scatter into vLLM's blocks, gather
-out of them, store), which a busy host does not blur the way it blurs two prefills' difference. Decode tokens/s
-(greedy, `--decode-tokens` after a 512-token prompt) with and without the connector (nothing to
-hit): generation time less the TTFT of a like prompt, best of 2.
+Every engine first prefills one prompt that no row uses (`--warmup` tokens: the one-time costs
+of a first batch; with chunked prefill every longer prompt runs in chunks of that shape or
+smaller). Hits are the best of `--repeats` (vLLM's cache emptied before each; the disk row is
+one request, since a hit promotes its pages to the CPU tier). Full and miss prefills run once.
+Next to each TTFT: the seconds the connector itself spent (fetch, scatter into vLLM's blocks,
+gather out of them, store), which a busy host does not blur the way it blurs two prefills'
+difference. Decode tokens/s (greedy, `--decode-tokens` after a 512-token prompt) with and
+without the connector (nothing to hit): generation time less the TTFT of a like prompt, best
+of 2.
 
 The connector's share of a decode request is profiled (cProfile) on one more request of the
 in-process engine: the time inside its vLLM hooks over the request's.
@@ -51,26 +57,63 @@ from typing import Any
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=64)
+REAL_MODEL = "smollm2"
+RANDOM_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=64)
 BLOCK = 32
 TARGETS = {"sidecar_hit_vs_full_8k": 0.25, "sidecar_hit_vs_vllm_hit": 2.0, "miss_vs_no_connector": 0.97}
 
 
-def write_model(directory: Path, dtype: str) -> Path:
+def write_random_model(directory: Path, dtype: str) -> Path:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**MODEL, max_position_embeddings=16384, rms_norm_eps=1e-6, rope_theta=500000.0,
-                                      initializer_range=0.02, dtype=dtype)
+    config = transformers.LlamaConfig(**RANDOM_MODEL, max_position_embeddings=16384, rms_norm_eps=1e-6,
+                                      rope_theta=500000.0, initializer_range=0.02, dtype=dtype)
     transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(directory)
     return directory
 
 
-def prompt(size: int, salt: int = 0) -> list[int]:
-    rng = random.Random(size * 1000 + salt)
-    return [rng.randrange(3, MODEL["vocab_size"]) for _ in range(size)]
+def model_facts(directory: Path) -> dict[str, Any]:
+    """What the engines and the sizes depend on, from the checkpoint's config."""
+    config = json.loads((directory / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return dict(layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
+                kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim, vocab=config["vocab_size"],
+                context=config["max_position_embeddings"], has_tokenizer=(directory / "tokenizer.json").exists())
+
+
+def kv_bytes_per_token(facts: dict[str, Any], dtype: str) -> int:
+    return facts["layers"] * 2 * facts["kv_heads"] * facts["head_dim"] * {"float32": 4}.get(dtype, 2)
+
+
+class Prompts:
+    """One prompt per (size, salt), the same in every engine process. With a tokenizer: sections of
+    Python's documentation, from a section that depends on both, under a header naming both (so
+    no two prompts share a first page), tokenized and cut to `size`. Without: random ids."""
+
+    def __init__(self, directory: str, vocab_size: int, has_tokenizer: bool):
+        self.vocab_size, self.tokenizer = vocab_size, None
+        if has_tokenizer:
+            import pydoc_data.topics
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.sections = [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
+
+    def __call__(self, size: int, salt: int = 0) -> list[int]:
+        if self.tokenizer is None:
+            rng = random.Random(size * 1000 + salt)
+            return [rng.randrange(3, self.vocab_size) for _ in range(size)]
+        first = (size + 7 * salt) % len(self.sections)
+        text = f"Python documentation, part {salt} of a {size}-token prompt.\n\n" + "\n\n".join(
+            self.sections[first:] + self.sections[:first])
+        tokens = list(self.tokenizer(text)["input_ids"])
+        if len(tokens) < size:
+            raise ValueError(f"--sizes: the documentation holds {len(tokens)} tokens, fewer than {size}")
+        return tokens[:size]
 
 
 # -- one engine, in its own process -------------------------------------------------------------
@@ -81,12 +124,13 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = dict(skip_tokenizer_init=True, block_size=BLOCK, enforce_eager=True, dtype=job["dtype"],
-                                  max_model_len=max(job["sizes"]) + 256, kv_cache_memory_bytes=1 << 30)
+                                  max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_bytes"])
     if job["extra"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm", kv_role="kv_both",
             kv_connector_extra_config=job["extra"])
     llm = LLM(job["model"], **kwargs)
+    prompt = Prompts(job["model"], job["vocab_size"], job["has_tokenizer"])
 
     def worker_stats() -> dict[str, float]:
         if job["extra"] is None:
@@ -112,10 +156,9 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
             runs.append(ttft(tokens))
         return min(runs, key=lambda run: run[0])
 
-    # Warm-up, a prompt of each size no row uses: the first batch of a shape pays one-time costs
-    # (oneDNN primitives, allocations) that are no row's business.
-    for size in job["sizes"]:
-        ttft(prompt(size, salt=99))
+    # Warm-up, a prompt no row uses: the first batches pay one-time costs (oneDNN primitives,
+    # allocations) that are no row's business.
+    ttft(prompt(job["warmup"], salt=99))
     result: dict[str, Any] = {"rows": {}}
     for size in job["sizes"]:
         tokens, row = prompt(size), {}
@@ -159,7 +202,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
 def run_engine(job: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     done = subprocess.run([sys.executable, __file__, "--engine-job", json.dumps(job)], capture_output=True, text=True,
-                          env=env, timeout=1800)
+                          env=env, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"engine {job['plan']} failed:\n{done.stderr[-3000:]}")
@@ -168,12 +211,12 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
 
 # -- the sidecar ------------------------------------------------------------------------------
 
-def start_sidecar(data_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_sidecar(data_dir: Path, cpu_bytes: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--data-dir",
-                             str(data_dir), "--cpu-bytes", "2GiB", "--disk-bytes", "0", "--log-level", "warning"])
+                             str(data_dir), "--cpu-bytes", cpu_bytes, "--disk-bytes", "0", "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     from kvstore import KVStoreClient
 
@@ -194,9 +237,12 @@ def start_sidecar(data_dir: Path) -> tuple[subprocess.Popen, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="2048,8192", help="comma-separated prompt lengths (tokens)")
+    parser.add_argument("--sizes", default="1024,2048,4096,8191", help="comma-separated prompt lengths (tokens)")
+    parser.add_argument("--warmup", type=int, default=2048, help="tokens of each engine's warm-up prompt")
     parser.add_argument("--repeats", type=int, default=3, help="runs per hit measurement (best of)")
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--random-model", action="store_true",
+                        help="a random-weight Llama and random token ids instead of SmolLM2 and documentation text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="model and KV dtype (float32: CPUs without AVX512-BF16 emulate bf16 matmuls, ~10x slower)")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -208,35 +254,63 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp:
         root = Path(tmp)
-        store = {"data_dir": str(root / "store"), "cpu_bytes": "2GiB", "disk_bytes": "2GiB"}
-        base = dict(sizes=sizes, repeats=args.repeats, dtype=args.dtype)
         with tqdm(total=6, desc="vllm_ttft", unit="step", file=sys.stderr) as bar:
-            model = str(write_model(root / "model", args.dtype))
+            if args.random_model:
+                directory = write_random_model(root / "model", args.dtype)
+            else:
+                from kvstore.decode.model_pull import pull
+
+                directory = pull(REAL_MODEL)
+            facts = model_facts(directory)
+            # A prompt and its first token within the model's context: vLLM refuses a prompt as
+            # long as max_model_len.
+            max_model_len = min(max(sizes + [512 + args.decode_tokens, args.warmup]) + 256, facts["context"])
+            too_long = [n for n in sizes + [args.warmup] if n >= max_model_len]
+            if too_long:
+                parser.error(f"--sizes/--warmup: {too_long} do not fit the model's {facts['context']}-token context "
+                             f"with a first output token")
+            per_token = kv_bytes_per_token(facts, args.dtype)
+            # Every store holds each prompt of the run (warm-up, sizes, decode prompts) with room to
+            # spare, so no row is an eviction's; the shared-memory arena holds the largest answer.
+            run_tokens = sum(sizes) + args.warmup + 5 * 512
+            store_bytes = f"{max(2048, 2 * per_token * run_tokens >> 20)}MiB"
+            arena_bytes = f"{max(256, (per_token * max(sizes) * 5 // 4) >> 20)}MiB"
+            # A fetch of an 8k prompt's KV (hundreds of MB on the real model) may outlast the default
+            # 5 s on a busy host, which would turn a hit row into a recompute.
+            patience = {"timeout_s": 120}
+            store = {"data_dir": str(root / "store"), "cpu_bytes": store_bytes, "disk_bytes": store_bytes, **patience}
+            base = dict(sizes=sizes, repeats=args.repeats, dtype=args.dtype, warmup=args.warmup, model=str(directory),
+                        vocab_size=facts["vocab"], has_tokenizer=facts["has_tokenizer"] and not args.random_model,
+                        max_model_len=max_model_len, kv_cache_bytes=max(1 << 30, 3 * per_token * max_model_len))
             bar.update()
             results: dict[str, Any] = {}
-            results["baseline"] = run_engine(dict(base, model=model, extra=None, plan="baseline",
-                                                  decode_tokens=args.decode_tokens))
+            results["baseline"] = run_engine(dict(base, extra=None, plan="baseline", decode_tokens=args.decode_tokens))
             bar.update()
-            results["inproc"] = run_engine(dict(base, model=model, extra=store, plan="fill_and_hit",
+            results["inproc"] = run_engine(dict(base, extra=store, plan="fill_and_hit",
                                                 decode_tokens=args.decode_tokens))
             bar.update()
-            results["disk"] = run_engine(dict(base, model=model, extra=store, plan="hit"))
+            results["disk"] = run_engine(dict(base, extra=store, plan="hit"))
             bar.update()
-            sidecar, url = start_sidecar(root / "sidecar")
+            sidecar, url = start_sidecar(root / "sidecar", store_bytes)
             try:
-                results["shm"] = run_engine(dict(base, model=model, extra={"url": url}, plan="fill_and_hit"))
+                shm = {"url": url, "shared_memory_bytes": arena_bytes, **patience}
+                results["shm"] = run_engine(dict(base, extra=shm, plan="fill_and_hit"))
                 bar.update()
-                results["tcp"] = run_engine(dict(base, model=model, extra={"url": url, "shared_memory_bytes": 0},
+                results["tcp"] = run_engine(dict(base, extra={"url": url, "shared_memory_bytes": 0, **patience},
                                                  plan="hit_repeat"))
                 bar.update()
             finally:
                 sidecar.kill()
                 sidecar.wait(30)
     table = summarize(results, sizes)
+    name = "random-weight Llama, random token ids" if args.random_model else f"{REAL_MODEL}, documentation text"
+    print(f"model: {name} ({facts['layers']} layers, hidden {facts['hidden']}, {facts['heads']} query heads over "
+          f"{facts['kv_heads']} KV heads of {facts['head_dim']}), {args.dtype}; KV {per_token} bytes a token")
     print_table(table, results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": dict(MODEL, dtype=args.dtype), "sizes": sizes, "raw": results,
+        model = dict(RANDOM_MODEL, name="random") if args.random_model else dict(facts, name=REAL_MODEL)
+        args.json.write_text(json.dumps({"model": dict(model, dtype=args.dtype), "sizes": sizes, "raw": results,
                                          "table": table, "targets": TARGETS}, indent=2))
     return 0
 
