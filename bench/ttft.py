@@ -1,6 +1,6 @@
 """Time to first token of the decode loop: full prefill vs a prefix hit, per tier and via the sidecar.
 
-    python bench/ttft.py [--lengths 1024,4096,8192] [--json out.json] [--server URL]
+    python bench/ttft.py [--model smollm2] [--lengths 1024,2048,4096,8000] [--json out.json] [--server URL]
 
 For each prompt length T: TTFT of a full prefill (no store), then TTFT when the store holds all
 but the last page (T - P tokens reused, P computed), served by
@@ -16,8 +16,12 @@ Then the break-even prefix: for prefixes of 16..1024 tokens plus one computed pa
 shortest prefix from which fetching beats computing, per backend. Also bytes fetched per second
 (KV bytes reused / time spent in lookup + fetch + scatter).
 
-The model is random (decode.tiny_model with a bench-sized LlamaArch): TTFT does not depend on
-what the weights say. Targets at 8k tokens: in-process <= 0.1x full prefill, sidecar <= 0.2x.
+The model is the real one, SmolLM2-135M-Instruct (`--model smollm2`, pulled on first use; 30
+layers, float32), and prompts are real English text, sections of Python's own language
+reference, cut to each length; 8,000 tokens is the longest that leaves room in its 8,192-token
+context. `--model DIR` takes any Llama-style checkpoint; `--model random` is a 4-layer random
+Llama whose prefill is cheap, for trying the script quickly. Targets at 8k tokens: in-process
+<= 0.1x full prefill, sidecar <= 0.2x.
 """
 from __future__ import annotations
 
@@ -40,13 +44,12 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))  # after PYTHONPATH: an older kvstore there wins
 
-from kvstore.decode import LlamaArch, LlamaModel, generate, tiny_model  # noqa: E402
+from kvstore.decode import LlamaArch, LlamaModel, generate, load_model, tiny_model  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
-# Prefill-dominated on a CPU, yet a whole run stays under 5 minutes on 2 cores: 4:1 GQA, fp32,
-# 4 KiB of KV per token (8k tokens = 32 MiB per fetch).
-ARCH = LlamaArch(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
+# `--model random`: prefill-dominated on a CPU yet quick, 4:1 GQA, fp32.
+RANDOM_ARCH = LlamaArch(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
                  num_kv_heads=2, head_dim=64, dtype="float32")
 TARGETS = {"cpu": 0.1, "disk": 0.1, "sidecar": 0.2}  # max hit/full TTFT ratio at 8k tokens
 BREAK_EVEN_PREFIXES = (16, 32, 64, 128, 256, 512)  # longer prefixes are the main table's business
@@ -83,16 +86,34 @@ def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"bench/ttft.py: kvstore serve did not start: {''.join(seen[-5:])!r}\n{log}")
 
 
-def random_tokens(gen: torch.Generator, n: int) -> list[int]:
-    return torch.randint(0, ARCH.vocab_size, (n,), generator=gen).tolist()
+class Prompts:
+    """Prompts of any length: real text through the model's tokenizer, or random ids without one.
 
+    Each prompt starts at its own place in the text, so no two share a prefix by accident."""
 
-def other_page(gen: torch.Generator, prompt: list[int], at: int, page: int) -> list[int]:
-    """`page` fresh tokens to put at `at`, differing from prompt[at] so the match stops exactly there."""
-    fresh = random_tokens(gen, page)
-    if at < len(prompt) and fresh[0] == prompt[at]:
-        fresh[0] = (fresh[0] + 1) % ARCH.vocab_size
-    return fresh
+    def __init__(self, model: LlamaModel, gen: torch.Generator):
+        self.model, self.gen = model, gen
+        self.vocab_size = model.arch.vocab_size
+        self.text_ids: list[int] = []
+        if model.tokenizer is not None:
+            from pydoc_data.topics import topics
+
+            self.text_ids = model.tokenizer.encode("\n\n".join(topics[k].strip() for k in sorted(topics)))
+
+    def take(self, n: int) -> list[int]:
+        if not self.text_ids:
+            return torch.randint(0, self.vocab_size, (n,), generator=self.gen).tolist()
+        if n > len(self.text_ids):
+            raise SystemExit(f"bench/ttft.py: prompts of {n} tokens are longer than the text ({len(self.text_ids)})")
+        start = int(torch.randint(0, len(self.text_ids) - n + 1, (1,), generator=self.gen))
+        return self.text_ids[start:start + n]
+
+    def other_page(self, prompt: list[int], at: int, page: int) -> list[int]:
+        """`page` fresh tokens to put at `at`, differing from prompt[at] so the match stops exactly there."""
+        fresh = self.take(page)
+        if at < len(prompt) and fresh[0] == prompt[at]:
+            fresh[0] = (fresh[0] + 1) % self.vocab_size
+        return fresh
 
 
 def seed(model: LlamaModel, backends: dict[str, Any], source: KVStore, prompt: list[int]) -> None:
@@ -112,15 +133,15 @@ def runs(fn: Callable[[], Any], repeats: int, bar: tqdm) -> list[Any]:
     return out
 
 
-def measure_length(model: LlamaModel, backends: dict[str, Any], gen: torch.Generator, length: int, repeats: int,
+def measure_length(model: LlamaModel, backends: dict[str, Any], prompts: Prompts, length: int, repeats: int,
                    full_repeats: int, bar: tqdm) -> list[Row]:
     page = model.spec.page_size
-    prompt = random_tokens(gen, length)
+    prompt = prompts.take(length)
     cpu = backends["cpu"]
     generate(model, prompt, 1, backend=cpu)  # computes and stores the prompt (a miss)
     bar.update(1)
     seed(model, backends, cpu, prompt)
-    hit_prompt = prompt[:length - page] + other_page(gen, prompt, length - page, page)
+    hit_prompt = prompt[:length - page] + prompts.other_page(prompt, length - page, page)
     full = [r.ttft_s for r in runs(lambda: generate(model, hit_prompt, 1), full_repeats, bar)]
     rows = []
     for name, backend in backends.items():
@@ -136,17 +157,17 @@ def measure_length(model: LlamaModel, backends: dict[str, Any], gen: torch.Gener
     return rows
 
 
-def break_even(model: LlamaModel, backends: dict[str, Any], gen: torch.Generator, repeats: int,
+def break_even(model: LlamaModel, backends: dict[str, Any], prompts: Prompts, repeats: int,
                bar: tqdm) -> dict[str, Any]:
     """Per backend: the shortest prefix (of BREAK_EVEN_PREFIXES) from which reuse is faster for it
     and every longer prefix, plus the best TTFTs it was judged on."""
     page = model.spec.page_size
     curve: dict[str, list[tuple[int, float, float]]] = {name: [] for name in backends}
     for prefix in BREAK_EVEN_PREFIXES:
-        prompt = random_tokens(gen, prefix + page)
+        prompt = prompts.take(prefix + page)
         generate(model, prompt, 1, backend=backends["cpu"])
         seed(model, backends, backends["cpu"], prompt)
-        query = prompt[:prefix] + other_page(gen, prompt, prefix, page)
+        query = prompt[:prefix] + prompts.other_page(prompt, prefix, page)
         # Interleaved (full, then each backend, repeated): load on a shared host hits every side
         # alike, and these runs are short, so best-of-`repeats` is cheap and stable.
         best = {name: float("inf") for name in ("full", *backends)}
@@ -169,9 +190,11 @@ def break_even(model: LlamaModel, backends: dict[str, Any], gen: torch.Generator
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="1024,4096,8192", help="comma-separated prompt lengths")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per hit measurement (best of)")
-    parser.add_argument("--full-repeats", type=int, default=3, help="runs per full-prefill measurement (best of)")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (default), a checkpoint directory, or random (a 4-layer random Llama)")
+    parser.add_argument("--lengths", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per hit measurement (best of)")
+    parser.add_argument("--full-repeats", type=int, default=2, help="runs per full-prefill measurement (best of)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--server", help="use this sidecar instead of starting `kvstore serve`")
     parser.add_argument("--no-sidecar", action="store_true", help="in-process tiers only")
@@ -183,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = tiny_model(arch=ARCH, page_size=args.page_size, name="bench-ttft")
-    gen = torch.Generator().manual_seed(0)
+    model = (tiny_model(arch=RANDOM_ARCH, page_size=args.page_size, name="bench-ttft-random")
+             if args.model == "random" else load_model(args.model, page_size=args.page_size))
+    arch = model.arch
+    prompts = Prompts(model, torch.Generator().manual_seed(0))
     started = time.perf_counter()
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-ttft-")))
@@ -202,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack.callback(lambda: (proc.terminate(), proc.wait(timeout=30)))
             backends["sidecar"] = stack.enter_context(KVStoreClient(url))
         for backend in backends.values():  # warm up torch, connections and registration
-            warm = random_tokens(gen, 64)
+            warm = prompts.take(64)
             generate(model, warm, 1, backend=backend)
             generate(model, warm, 1, backend=backend)
 
@@ -212,13 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[Row] = []
         with tqdm(total=steps, desc="ttft", unit="run", file=sys.stderr) as bar:
             for length in lengths:
-                for row in measure_length(model, backends, gen, length, args.repeats, args.full_repeats, bar):
+                for row in measure_length(model, backends, prompts, length, args.repeats, args.full_repeats, bar):
                     rows.append(row)
                     bar.write(f"T={row.length:5d} {row.backend:7s}: TTFT {row.ttft_s * 1e3:8.1f} ms vs full prefill "
                               f"{row.full_ttft_s * 1e3:8.1f} ms = {row.ratio:.4f}x  (reused {row.reused_tokens}, "
                               f"fetch {row.fetch_bytes / 2**20:.1f} MiB in {row.fetch_s * 1e3:.1f} ms = "
                               f"{row.fetch_gb_per_s:.2f} GB/s)")
-            even = {} if args.no_break_even else break_even(model, backends, gen, BREAK_EVEN_REPEATS, bar)
+            even = {} if args.no_break_even else break_even(model, backends, prompts, BREAK_EVEN_REPEATS, bar)
         for name, info in even.items():
             first = info["break_even_prefix_tokens"]
             where = ("never in the tested range" if first is None else
@@ -227,16 +252,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"break-even {name:7s}: reuse pays {where} (prefixes {BREAK_EVEN_PREFIXES[0]}.."
                   f"{BREAK_EVEN_PREFIXES[-1]}, plus one computed page)")
     longest = max(lengths)
-    verdicts = {r.backend: r.ratio <= TARGETS[r.backend] for r in rows if r.length == longest and longest >= 8192}
+    verdicts = {r.backend: r.ratio <= TARGETS[r.backend] for r in rows if r.length == longest and longest >= 8000}
     for name, ok in verdicts.items():
         print(f"target at {longest} tokens, {name}: ratio <= {TARGETS[name]} {'met' if ok else 'MISSED'}")
     elapsed = time.perf_counter() - started
-    print(f"model: {ARCH.num_layers} layers, hidden {ARCH.hidden_size}, {ARCH.num_heads}:{ARCH.num_kv_heads} GQA, "
-          f"{ARCH.num_params / 1e6:.0f} M params, fp32, {model.spec.bytes_per_token} B KV/token; "
+    print(f"model: {model.name}, {arch.num_layers} layers, hidden {arch.hidden_size}, "
+          f"{arch.num_heads}:{arch.num_kv_heads} GQA, {arch.num_params / 1e6:.0f} M params, {arch.dtype}, "
+          f"{model.spec.bytes_per_token} B KV/token; prompts {'real text' if prompts.text_ids else 'random ids'}; "
           f"torch threads {torch.get_num_threads()}; {elapsed:.0f} s")
     if args.json:
         args.json.write_text(json.dumps({
-            "model": {**asdict(ARCH), "rope_scaling": None, "params": ARCH.num_params,
+            "model": {"name": model.name, **asdict(arch), "rope_scaling": arch.rope_scaling_dict,
+                      "params": arch.num_params, "prompts": "real text" if prompts.text_ids else "random ids",
                       "page_size": model.spec.page_size, "kv_bytes_per_token": model.spec.bytes_per_token},
             "torch_threads": torch.get_num_threads(), "elapsed_s": elapsed,
             "rows": [asdict(r) for r in rows], "break_even": even,
