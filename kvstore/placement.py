@@ -225,14 +225,19 @@ class Placement:
         """`unpin` each of `nodes`, in order (a request's pages, once it is done): a page no
         longer pinned may be evictable again, which its policies are told."""
         policies, tenants = self.policies, self.tenant_policies
+        lost: list[Node] | None = None
         for node in nodes:
             pins = node.pins - 1
             assert pins >= 0, "unpin without pin"
             node.pins = pins
             if pins:
                 continue
-            if not node.tiers:
-                self.drop(node)  # its last copy went bad while it was in use (remove_from)
+            if not node.tiers:  # its last copy went bad while it was in use (remove_from)
+                # Dropped once the whole path is unpinned: its subtree holds the pages after it
+                # in `nodes`, which this request still pins until the loop reaches them.
+                if lost is None:
+                    lost = []
+                lost.append(node)
                 continue
             for tier in node.tiers:
                 policies[tier].update(node)
@@ -240,6 +245,11 @@ class Placement:
                     own = self._own_policy(node, tier)
                     if own is not None:
                         own.update(node)
+        if lost is not None:
+            nodes_by_key = self.index.nodes
+            for node in lost:
+                if nodes_by_key.get(node.key) is node and not node.pins:  # not gone with a lost page above it
+                    self.drop(node)
 
     def fits(self, tier: str, nbytes: int) -> bool:
         usage = self.usage[tier]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,8 @@ class ConcurrencyReport:
     unexpected_errors: list[str] = field(default_factory=list)
     evictions: int = 0
     kills: int = 0
+    acked_before_kill: int = 0  # stores acknowledged before a kill (restarts: each owed to every later read)
+    reads_after_restart: int = 0  # reads answered that began after a restart
     duration_s: float = 0.0
     examples: list[str] = field(default_factory=list)
 
@@ -154,7 +157,9 @@ def _worker(backend: Any, universe: Universe, log: OpLog, ops: int, rng: random.
             result = LOST
         except Exception as exc:  # counted as a failure of the run, never swallowed silently
             result = ERROR
-            errors.add(f"{type(exc).__name__}: {exc}")
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:]))
+            errors.add(f"{type(exc).__name__}: {exc} at {where}")
         t1 = clock()
         if kind == FETCH and result >= 0:
             kv_ok = result <= n and torch.equal(got.kv, full_kv[:, :, start:max(start, result)])
@@ -256,6 +261,8 @@ def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed
     sidecar = Sidecar(data_dir, [*_serve_args("nothing evicted"), "--durability", "write-through"]).start()
     done = threading.Event()
     killed = 0
+    kill_ns: list[int] = []
+    up_ns: list[int] = []
 
     def register() -> None:
         with KVStoreClient(sidecar.url, timeout_s=30) as admin:
@@ -265,10 +272,12 @@ def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed
     def killer() -> None:
         nonlocal killed
         while killed < kills and not done.wait(rng.uniform(*interval_s)):
+            kill_ns.append(time.perf_counter_ns())
             sidecar.kill()
             killed += 1
             sidecar.start()
             register()
+            up_ns.append(time.perf_counter_ns())
 
     try:
         register()
@@ -288,6 +297,12 @@ def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed
     report = _report("sidecar, write-through, killed and restarted", "nothing evicted", clients, logs, errors,
                      universe, None, began, read_your_writes=True)
     report.kills = killed
+    if kill_ns:
+        h = History.of(logs)
+        answered = h.result >= 0
+        report.acked_before_kill = int(((h.kind == STORE) & answered & (h.t1 < kill_ns[-1])).sum())
+        report.reads_after_restart = int((((h.kind == FETCH) | (h.kind == LOOKUP)) & answered
+                                          & (h.t0 > up_ns[0])).sum())
     return report
 
 
