@@ -67,7 +67,7 @@ def test_checker_flags_counters_that_do_not_add_up():
     assert len(check_counters(h, {**stats, "fetched_tokens": 19, "lookups": 2})) == 2
 
 
-@pytest.mark.parametrize("capacity, ops", [("nothing evicted", 16_000), ("constant eviction", 8_000)])
+@pytest.mark.parametrize("capacity, ops", [("nothing evicted", 12_000), ("constant eviction", 6_000)])
 def test_threads_in_process(tmp_path, capacity, ops):
     report = run_in_process(tmp_path / "data", ops=ops, capacity=capacity, threads=8, seed=1)
     assert report.ok, report
