@@ -1,7 +1,7 @@
 """kvstore between vLLM and the decode loop on a real model: SmolLM2-135M-Instruct, float32.
 
 Chat prompts (a section of Python's own documentation, then a question) are rendered with the
-model's chat template and answered greedily, 16 tokens at most; every check compares the answer's
+model's chat template and answered greedily, 8 tokens at most; every check compares the answer's
 text and token ids with a full prefill's by the same engine.
 
 The module runs one story, once (the `story` fixture), with one vLLM engine alive at a time in
@@ -10,7 +10,7 @@ this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     engine 1   in-process store on a data directory, empty: answers question 2 about document
                B, a full prefill, and stores its blocks -> shut down: the store closes, its
                pages are on disk
-    decode     the decode loop, a client of a `kvstore serve` sidecar: answers question 1
+    decode     the decode loop, a client of a `kvstore serve` sidecar: prefills question 1
                about B (stored)
     engine 2   a fresh engine on the sidecar: B's question 2 (the document's KV the decode loop
                stored), then a question about document C (nothing to hit: computed and stored)
@@ -18,7 +18,8 @@ this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     engine 3   engine 1 restarted on the same data directory: B's question 2, from the disk tier
 
 Both sides name the store's model by the checkpoint directory (`smollm2`), so no setting is
-needed for one to hit the other's pages.
+needed for one to hit the other's pages; a hit also shows both hold the same spec (vLLM left at
+dtype "auto" would serve this float32 checkpoint in bfloat16 on a CPU, and share nothing).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from kvstore.decode.model_pull import pull  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 BLOCK = 32  # vLLM's block size; the store's pages are 16 tokens, the decode loop's
-MAX_TOKENS = 16
+MAX_TOKENS = 8  # enough for an answer to diverge, few enough for `make test`
 # Float32 KV of this model is 30 layers x 2 x 3 heads x 64 x 4 bytes = 46,080 bytes a token:
 # 64 blocks hold two 1k-token requests.
 KV_TOKEN_BYTES = 30 * 2 * 3 * 64 * 4
@@ -89,11 +90,12 @@ class Engine:
                                     kv_connector_extra_config=extra)
         self.llm = LLM(str(directory), kv_transfer_config=transfer, **ENGINE)
 
-    def ask(self, messages: list[dict[str, str]], salt: str | None = None) -> Answer:
+    def ask(self, messages: list[dict[str, str]]) -> Answer:
+        """The greedy answer, the conversation rendered by vLLM's own tokenizer and chat template."""
         ids = list(self.llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                                 return_dict=False))
-        prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salt} if salt else {}))
-        out = self.llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)[0]
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
         return Answer(ids, list(out.outputs[0].token_ids), out.outputs[0].text, out.num_cached_tokens)
 
     def close(self) -> None:
@@ -101,8 +103,8 @@ class Engine:
         del self.llm  # the next engine's weights and KV cache replace these
 
 
-def decode_answer(model, messages, backend=None, store: bool = True) -> Answer:
-    result = generate(model, messages, MAX_TOKENS, backend, store=store)
+def decode_answer(model, messages, backend=None, store: bool = True, max_tokens: int = MAX_TOKENS) -> Answer:
+    result = generate(model, messages, max_tokens, backend, store=store)
     assert result.backend_error is None
     return Answer(result.prompt_ids, result.tokens, result.text, result.reused_tokens)
 
@@ -123,7 +125,8 @@ def story(tmp_path_factory) -> dict[str, Answer]:
     sidecar.start()
     try:
         with KVStoreClient(sidecar.url) as client:
-            answers["decode B1"] = decode_answer(model, B1, client)
+            # Only its prompt's pages matter here: one token is enough.
+            answers["decode B1"] = decode_answer(model, B1, client, max_tokens=1)
             engine = Engine(directory, {"url": sidecar.url})
             try:
                 answers["vllm B2 from decode"] = engine.ask(B2)
@@ -150,7 +153,7 @@ def test_full_prefills_answer_in_words(story):
     for name in ("vllm B2 full", "vllm C1 full", "decode C1 full"):
         answer = story[name]
         assert answer.cached == 0, name
-        assert len(answer.text.split()) >= 5, (name, answer.text)
+        assert len(answer.text.split()) >= 4, (name, answer.text)
 
 
 def test_a_restarted_engine_answers_from_the_disk_tier_with_the_same_text(story):
