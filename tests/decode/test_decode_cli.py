@@ -61,3 +61,25 @@ def test_generate_through_a_server_url(capsys: pytest.CaptureFixture) -> None:
     with InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=8 << 20, disk_bytes=0)) as url:
         assert run(argv + ["--server", url]) == 0 and run(argv + ["--server", url]) == 0
     assert "reused 39/40" in capsys.readouterr().err
+
+
+def test_the_demo_holds_a_real_conversation_with_the_real_model(smollm2: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("kvstore.api.client")
+    assert run(["demo", "--model", str(smollm2), "--turns", "2", "--max-new-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    questions = [line for line in lines if line.startswith("turn ")]
+    stats = [line for line in lines if line.strip().startswith("[prompt")]
+    assert questions == ["turn 1> What does the for statement iterate over?",
+                         "turn 2> When is the else clause of a for loop executed?"]
+    assert len(stats) == 2 and all("same text" in line for line in stats)
+    # Turn 2's prompt is turn 1's prompt, its answer and the new question: most of it is reused.
+    first_prompt = int(stats[0].split("prompt ")[1].split(" ")[0])
+    reused = int(stats[1].split("reused ")[1].split(";")[0])
+    assert first_prompt > 300 and reused >= first_prompt
+
+
+def test_generate_streams_the_real_models_answer_as_text(smollm2: Path, capsys: pytest.CaptureFixture) -> None:
+    assert run(["generate", "--model", str(smollm2), "--prompt", "What is the capital of France?"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "The capital of France is Paris.\n"
+    assert "reused 0/37 prompt tokens" in captured.err

@@ -21,6 +21,9 @@ from kvstore.decode.sidecar import InProcessSidecar
 from kvstore.store import KVStore
 
 transformers = pytest.importorskip("transformers")
+# The module's first test computes every prompt's answer once; on a busy 2-core host that alone
+# can pass the suite's per-test default.
+pytestmark = pytest.mark.timeout(900)
 
 NEW_TOKENS = 12
 QUESTIONS = [
@@ -146,12 +149,23 @@ STORED = (0, len(QUESTIONS) + 3, len(QUESTIONS) + 5)
 
 def test_a_prefix_from_the_cpu_tier_gives_the_same_answer(model: LlamaModel, answers: dict[int, list[int]]) -> None:
     with KVStore(StoreConfig(data_dir=None, cpu_bytes=256 << 20, disk_bytes=0)) as store:
+        held: list[list[int]] = []  # what the store holds: each earlier prompt with its answer
         for i in STORED:
-            # The first time, only what an earlier prompt shares can be reused (the template's opening).
             first = assert_reused_answer(model, store, i, answers, at_least=0)
-            assert first.reused_tokens < 8 and first.stored_tokens >= first.prompt_tokens
+            # The first time, only what an earlier prompt shares can be reused (the template's opening).
+            shared = max((shared_prefix(first.prompt_ids, h) for h in held), default=0)
+            assert first.reused_tokens == min(shared, first.prompt_tokens - 1)
+            assert first.stored_tokens >= first.prompt_tokens
             again = assert_reused_answer(model, store, i, answers, at_least=first.prompt_tokens - 1)
             assert set(again.tiers) == {"cpu"}
+            held.append(first.prompt_ids + first.tokens)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_a_prefix_from_the_disk_tier_after_a_restart_gives_the_same_answer(
