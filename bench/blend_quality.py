@@ -14,7 +14,7 @@ generated token per method:
   blend@r    CacheBlend, recomputing the fraction r of chunk tokens with the largest KV deviation
 
 Speed: TTFT of each method on a 4-chunk prompt of ~8k tokens with a random, prefill-dominated
-model (bench/ttft.py's width with 8 layers: CacheBlend's first layer is always computed in full,
+model (the width of bench/ttft.py's random model with 8 layers: CacheBlend's first layer is always computed in full,
 so like the paper's 32-layer models it needs depth to pay), chunks already stored, best of
 `--ttft-repeats` interleaved runs (medians in the JSON).
 
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import blend_task as task  # noqa: E402
-from bench.ttft import ARCH as TTFT_ARCH  # noqa: E402
+from bench.ttft import RANDOM_ARCH as TTFT_ARCH  # noqa: E402
 from kvstore.decode import LlamaModel, generate, load_checkpoint, tiny_model  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
