@@ -56,7 +56,7 @@ def test_lru_replay_matches_brute_force(capacity: int) -> None:
 @pytest.mark.parametrize("preset", sorted(SMALL))
 def test_belady_is_at_least_lru_and_lru_prefix(preset: str) -> None:
     trace = compile_trace(preset, generate(replace(SMALL[preset], seed=7)))
-    for fraction in (0.02, 0.05, 0.2):
+    for fraction in (0.02, 0.2):  # the scarce end and the roomy end
         tiers = [("cpu", max(round(fraction * trace.unique_blocks), 400))]
         oracle = NextUse()
         best = replay(trace, tiers, lambda tier: BeladyPolicy(tier, oracle), oracle).hit_ratio
