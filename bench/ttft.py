@@ -50,7 +50,7 @@ from kvstore.store import KVStore  # noqa: E402
 
 # `--model random`: prefill-dominated on a CPU yet quick, 4:1 GQA, fp32.
 RANDOM_ARCH = LlamaArch(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
-                 num_kv_heads=2, head_dim=64, dtype="float32")
+                        num_kv_heads=2, head_dim=64, dtype="float32")
 TARGETS = {"cpu": 0.1, "disk": 0.1, "sidecar": 0.2}  # max hit/full TTFT ratio at 8k tokens
 BREAK_EVEN_PREFIXES = (16, 32, 64, 128, 256, 512)  # longer prefixes are the main table's business
 BREAK_EVEN_REPEATS = 10
@@ -92,7 +92,7 @@ class Prompts:
     Each prompt starts at its own place in the text, so no two share a prefix by accident."""
 
     def __init__(self, model: LlamaModel, gen: torch.Generator):
-        self.model, self.gen = model, gen
+        self.gen = gen
         self.vocab_size = model.arch.vocab_size
         self.text_ids: list[int] = []
         if model.tokenizer is not None:

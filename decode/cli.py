@@ -109,12 +109,9 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         model = _load_model(args)
         if args.prompt is not None:
-            messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+            # A model without a chat template is refused by generate, naming the prompt.
+            prompt: Any = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                 [{"role": "user", "content": args.prompt}]
-            prompt: Any = messages if model.tokenizer is not None and model.tokenizer.has_chat_template else None
-            if prompt is None:
-                raise ValueError(f"--prompt: {model.name} has no tokenizer with a chat template; "
-                                 f"use --prompt-tokens or a model such as smollm2")
         else:
             prompt = _parse_tokens(args.prompt_tokens if args.prompt_tokens is not None
                                    else args.prompt_file.read_text())
@@ -126,7 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"kvstore generate: {exc}", file=sys.stderr)
         return 2
     text_out = args.prompt is not None
-    stream = TextStream(model.tokenizer) if text_out else None
+    stream = TextStream(model.tokenizer) if text_out and model.tokenizer is not None else None
     on_token = (lambda token: print(stream.push(token), end="", flush=True)) if stream else None
     with ExitStack() as stack:
         backend = None

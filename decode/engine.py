@@ -17,7 +17,6 @@ and a fraction `blend_ratio` of their tokens is recomputed.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
@@ -126,13 +125,11 @@ def generate(model: LlamaModel, prompt_tokens: Prompt, max_new_tokens: int,
     cache.reserve(table, len(prompt) + max_new_tokens)
     reuse = ChunkReuse(model, backend, tenant=tenant, timeout_s=timeout_s) if backend is not None else None
     try:
-        result = _run(model, prompt, max_new_tokens, cache, table, reuse, start_time, sampling=sampling,
-                      stop_token_ids=stops, min_reuse_tokens=min_reuse_tokens, store=store,
-                      return_logits=return_logits, blend=parts, blend_ratio=blend_ratio, on_token=on_token)
+        return _run(model, prompt, max_new_tokens, cache, table, reuse, start_time, sampling=sampling,
+                    stop_token_ids=stops, min_reuse_tokens=min_reuse_tokens, store=store,
+                    return_logits=return_logits, blend=parts, blend_ratio=blend_ratio, on_token=on_token)
     finally:
         cache.release(table)  # the cache outlives the request: give its pages back even on error
-    text = None if model.tokenizer is None else model.tokenizer.decode(result.tokens)
-    return dataclasses.replace(result, text=text, prompt_ids=prompt)
 
 
 def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: PagedKVCache, table: BlockTable,
@@ -193,7 +190,8 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         backend_error=outcome.error if outcome else hit.error if hit else None,
         logits=torch.stack(kept) if kept is not None else None,
         chunk_hits=outcome.chunk_hits if outcome else None,
-        recomputed_tokens=outcome.recomputed_tokens if outcome else 0)
+        recomputed_tokens=outcome.recomputed_tokens if outcome else 0,
+        text=None if model.tokenizer is None else model.tokenizer.decode(output), prompt_ids=prompt)
 
 
 def _check_blend(model: LlamaModel, prefix: Prompt, chunks: Sequence[Prompt],

