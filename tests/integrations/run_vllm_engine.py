@@ -1,6 +1,6 @@
 """Run one fresh vLLM engine with the kvstore connector in this process and print what it did.
 
-    python run_vllm_engine.py '{"model": DIR, "extra": {...}, "prompts": [[...], ...], "salts": [...],
+    python run_vllm_engine.py '{"model": DIR, "extra": {...}, "prompts": [[...], ...],
                                 "max_tokens": 8, "engine": {...}}'
 
 prints one line `RESULT {"outputs": [{"tokens": [...], "cached": n}, ...]}`. The end-to-end
@@ -23,9 +23,7 @@ def main() -> None:
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
                                 kv_role="kv_both", kv_connector_extra_config=job["extra"])
     llm = LLM(job["model"], kv_transfer_config=transfer, **job["engine"])
-    salts = job.get("salts") or [None] * len(job["prompts"])
-    prompts = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": s} if s else {}))
-               for p, s in zip(job["prompts"], salts)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, detokenize=False)
     outputs = []
     for prompt in prompts:  # one at a time: each result is its own request's

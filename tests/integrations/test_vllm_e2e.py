@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from integrations.sidecar_process import Sidecar  # noqa: E402
-from kvstore import KVStoreClient  # noqa: E402
+from kvstore import KVStore, KVStoreClient, StoreConfig  # noqa: E402
 from kvstore.decode.attention import AttentionContext  # noqa: E402
 from kvstore.decode.engine import generate  # noqa: E402
 from kvstore.decode.loader import load_checkpoint  # noqa: E402
@@ -119,10 +119,10 @@ def recomputed(llm: LLM, prompt: list[int], max_tokens: int = 8) -> list[int]:
     return tokens
 
 
-def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]], salts=None,
+def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]],
                      multiprocessing: bool = False) -> list[dict]:
     """Outputs of a new engine process; with `multiprocessing`, vLLM's own worker process too."""
-    job = {"model": str(checkpoint), "extra": extra, "prompts": prompts, "salts": salts, "max_tokens": 8,
+    job = {"model": str(checkpoint), "extra": extra, "prompts": prompts, "max_tokens": 8,
            "engine": ENGINE}
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
     done = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True, timeout=300,
@@ -157,16 +157,22 @@ def test_a_fresh_engine_in_another_process_gets_the_shared_prefix_from_the_sidec
     assert fresh["tokens"] == expected
 
 
-def test_an_in_process_store_serves_a_restarted_engine_from_its_disk_tier(checkpoint, tmp_path):
+def test_an_in_process_store_serves_a_restarted_engine_from_its_disk_tier(llm, checkpoint, decode_model, tmp_path):
     extra = {"data_dir": str(tmp_path / "data"), "cpu_bytes": "32MiB", "disk_bytes": "64MiB"}
     first, second = SHARED + prompt_tokens(3, 50), SHARED + prompt_tokens(4, 50)
-    # The second prompt under a salt of its own: a tenant with nothing stored, so a full prefill.
-    cold = run_fresh_engine(checkpoint, extra, [first, second], salts=[None, "cold"])
-    assert [o["cached"] for o in cold] == [0, 0]
-    # A new process, only the disk tier left; vLLM's worker in a process of its own, served the
+    # What a stopped server leaves: the shared prefix on the disk of its data directory. The
+    # decode loop writes it (vLLM's own writes to an in-process store that closes are the real
+    # model's story, tests/integrations/test_vllm_real_model.py), which spares an engine start.
+    store = KVStore(StoreConfig(data_dir=extra["data_dir"], cpu_bytes=32 << 20, disk_bytes=64 << 20))
+    try:
+        assert generate(decode_model, first, 1, store).stored_tokens >= PREFIX
+    finally:
+        store.close()
+    expected = recomputed(llm, second)
+    # A new process with only the disk tier; vLLM's worker in a process of its own, served the
     # store by the scheduler's process (the connector's loopback sidecar).
     (restarted,) = run_fresh_engine(checkpoint, extra, [second], multiprocessing=True)
-    assert restarted == {"tokens": cold[1]["tokens"], "cached": PREFIX}
+    assert restarted == {"tokens": expected, "cached": PREFIX}
 
 
 # -- one KV layout for vLLM and our decode loop ---------------------------------------------------
