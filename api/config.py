@@ -39,6 +39,14 @@ class ServerConfig:
     # The event loop `kvstore serve` runs on: "auto" (uvloop when installed, else asyncio's),
     # "uvloop" or "asyncio" (api/event_loop.py says why).
     event_loop: str = "auto"
+    # KV events for routers (api/kv_events_publisher.py, docs/kv_events.md): vLLM's ZeroMQ wire,
+    # PUB on `kv_events_endpoint` (None: no events, and the store reports nothing), replays on
+    # `kv_events_replay_endpoint`, each message under `kv_events_topic`.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_max_queue_records: int = 100_000  # unsent events held; past it they are dropped, counted, resynced
+    kv_events_replay_batches: int = 10_000  # batches kept for replay
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -60,6 +68,16 @@ class ServerConfig:
             raise ValueError(f"event_loop: must be one of {', '.join(EVENT_LOOPS)}; got {self.event_loop!r}")
         check_int("max_connections", self.max_connections, 1, 1 << 20)
         check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 64 << 20)
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "://" not in value):
+                raise ValueError(f"{name}: expected a ZeroMQ address like tcp://127.0.0.1:5557, got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint: replays need kv_events_endpoint too")
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic: expected a string, got {self.kv_events_topic!r}")
+        check_int("kv_events_max_queue_records", self.kv_events_max_queue_records, 1, 1 << 26)
+        check_int("kv_events_replay_batches", self.kv_events_replay_batches, 0, 1 << 24)
         if self.auth_file is not None and (not isinstance(self.auth_file, str) or not self.auth_file):
             raise ValueError(f"auth_file: expected a path, got {self.auth_file!r}")
 

@@ -56,6 +56,26 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+class KVEventsCollector(Collector):
+    """The KV-event publisher's counters (api/kv_events_publisher.py): events dropped past its
+    bound (each drop is followed by a resync), batches and events sent, records queued."""
+
+    def __init__(self, publisher: Any):
+        self._publisher = publisher
+
+    def collect(self) -> Iterator[Metric]:
+        p = self._publisher
+        for name, doc, value in (("dropped", "KV events dropped past the publisher's bound (then resynced)", p.dropped),
+                                 ("batches", "KV event batches published", p.published_batches),
+                                 ("published", "KV events published", p.published_events)):
+            family = CounterMetricFamily(f"kvstore_kv_events_{name}", doc, labels=[])
+            family.add_metric([], float(value))
+            yield family
+        queued = GaugeMetricFamily("kvstore_kv_events_queued", "KV events waiting to be published", labels=[])
+        queued.add_metric([], float(p.queued))
+        yield queued
+
+
 class Metrics:
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self.registry = CollectorRegistry()
@@ -64,6 +84,9 @@ class Metrics:
         self.latency = Histogram("kvstore_http_request_duration_seconds", "HTTP request latency by route",
                                  ["route", "method"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.registry.register(StoreCollector(stats))
+
+    def watch_kv_events(self, publisher: Any) -> None:
+        self.registry.register(KVEventsCollector(publisher))
 
     def render(self) -> bytes:
         """The text exposition; calls store.stats(), so run it off the event loop."""

@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +24,7 @@ from kvstore.api.auth import load_auth_file
 from kvstore.api import event_loop
 from kvstore.api.config import ServerConfig
 from kvstore.api.connection_limit import ConnectionLimitedSite
+from kvstore.api.metrics import METRICS
 from kvstore.config import StoreConfig
 from kvstore.sizes import format_bytes
 
@@ -93,19 +95,43 @@ async def run(store_config: StoreConfig, server_config: ServerConfig) -> None:
             raise ServeError(str(exc)) from None
     sock = listen_socket(server_config)
     try:
-        store = KVStore(store_config)
+        publisher = kv_events_publisher(server_config)  # bound before the store opens, like the port
         try:
-            await _serve_until_signal(store, store_config, server_config, sock)
+            store = KVStore(store_config)
+            try:
+                if publisher is not None:
+                    publisher.start(store)  # its first batches: AllBlocksCleared and what the disk holds
+                await _serve_until_signal(store, store_config, server_config, sock, publisher)
+            finally:
+                store.close()  # flushes the disk writer and closes LMDB; reports AllBlocksCleared
         finally:
-            store.close()  # flushes the disk writer and closes LMDB
+            if publisher is not None:
+                publisher.close()
     finally:
         sock.close()
     log.info("stopped; store closed")
 
 
+def kv_events_publisher(config: ServerConfig) -> Any:
+    """The KV-event publisher `--kv-events-endpoint` asks for, its sockets bound; None without it."""
+    if config.kv_events_endpoint is None:
+        return None
+    from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
+
+    try:
+        return KVEventsPublisher(KVEventsPublisherConfig(
+            endpoint=config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic, max_queue_records=config.kv_events_max_queue_records,
+            replay_batches=config.kv_events_replay_batches))
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+
+
 async def _serve_until_signal(store: object, store_config: StoreConfig, server_config: ServerConfig,
-                              sock: socket.socket) -> None:
+                              sock: socket.socket, publisher: Any = None) -> None:
     app = create_app(store, server_config)
+    if publisher is not None:
+        app[METRICS].watch_kv_events(publisher)
     access_log = logging.getLogger("aiohttp.access") if server_config.log_level == "debug" else None
     runner = web.AppRunner(app, handle_signals=False, access_log=access_log,
                            shutdown_timeout=server_config.shutdown_timeout_s)
@@ -113,7 +139,10 @@ async def _serve_until_signal(store: object, store_config: StoreConfig, server_c
     _settle_collector()
     try:
         await ConnectionLimitedSite(runner, sock, max_connections=server_config.max_connections).start()
-        print(describe(store_config, server_config, sock), flush=True)
+        line = describe(store_config, server_config, sock)
+        if publisher is not None:
+            line += f" | kv events: {publisher.endpoint}" + (f", replay {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+        print(line, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -150,6 +150,8 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
             for node, tier, slot, s, e in writes:
                 if ok:
                     node.ready = True
+                    if placement.events is not None:
+                        placement.events.published(node)
                     if write_through and tier != tiers.persistent:
                         ticket = tiers.write_through(spec, node, kv[:, :, s - start:e - start])
                         if ticket is not None:

@@ -23,10 +23,13 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from kvstore.index import Node, PageIndex
 from kvstore.policies import POLICIES, EvictionPolicy
+
+if TYPE_CHECKING:
+    from kvstore.kv_event_recorder import KVEventRecorder
 
 
 # Tiers where tenant bytes are counted and quotas hold.
@@ -97,6 +100,8 @@ class Placement:
         # (memory tier, tenant with a quota) -> a policy over that tenant's pages there only.
         self.tenant_policies: dict[tuple[str, str], EvictionPolicy] = {}
         self._learn_later = False
+        # Told of every ready page entering or leaving a tier, when KV events are on (None: off).
+        self.events: KVEventRecorder | None = None
 
     def learn_later(self, on: bool) -> None:
         """Let every policy hold its learning (set dueling's shadows) until `catch_up`."""
@@ -165,6 +170,8 @@ class Placement:
         own = self._count_tenant(node, tier, nbytes)
         if own is not None:
             own.insert(node)
+        if self.events is not None and node.ready:  # a page being written is reported once published
+            self.events.stored(node, tier)
 
     def admit(self, node: Node, tier: str, nbytes: int, clock: int) -> None:
         """A new page enters `tier`: pinned (it is written outside the lock), touched at `clock`
@@ -176,6 +183,8 @@ class Placement:
 
     def _discard(self, node: Node, tier: str) -> None:
         nbytes = node.tiers.pop(tier)
+        if self.events is not None and node.ready:  # one never published was never reported
+            self.events.removed(node, tier)
         usage = self.usage[tier]
         usage.used_bytes -= nbytes
         usage.pages -= 1

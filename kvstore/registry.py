@@ -34,6 +34,7 @@ class ModelRegistry:
         self.specs_by_namespace: dict[bytes, ModelSpec] = {}
         # Only ever added to (like specs): placement counts a page's bytes against this tenant.
         self.tenants_by_namespace: dict[bytes, str | None] = {}
+        self.models_by_namespace: dict[bytes, Model] = {}  # only ever added to: KV events name a page's model
         if self._path and os.path.exists(self._path):
             self._load()
 
@@ -61,6 +62,7 @@ class ModelRegistry:
         self._models[(tenant, name)] = model
         self.specs_by_namespace[model.namespace] = spec
         self.tenants_by_namespace[model.namespace] = tenant
+        self.models_by_namespace[model.namespace] = model
         return model
 
     def register(self, name: str, spec: ModelSpec, tenant: str | None) -> tuple[Model, bool]:

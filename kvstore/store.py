@@ -28,6 +28,7 @@ from kvstore.errors import InvalidModelSpec
 from kvstore.fetch_plan import FetchPlan, plan_fetch
 from kvstore.index import TOKEN_BYTES
 from kvstore.keys import chunk_key
+from kvstore.kv_event_recorder import KVEventRecorder, KVEventSink
 from kvstore.page_writes import store_pages
 from kvstore.rebuild import rebuild_index
 from kvstore.registry import Model
@@ -70,12 +71,38 @@ class KVStore:
                 return
             self._closed = True
             self._tiers.save_memory_pages(self._index)
+            if self._placement.events is not None:
+                self._placement.events.cleared()  # a closed store serves nothing
             self._tiers.close()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued tier writes (the disk writer, Redis' write-behind) are done, e.g.
         before reading the disk from another process. False if `timeout_s` ran out first."""
         return self._tiers.flush(timeout_s)
+
+    # -- KV events (kvstore/kv_event_recorder.py, docs/kv_events.md) ---------------------------
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        """Report every page entering or leaving a tier to `sink`, from now on; it first gets
+        the store's whole picture (`sink.reset`: AllBlocksCleared, then every page per tier)."""
+        with self._lock:
+            if self._placement.events is None:
+                self._placement.events = KVEventRecorder(self._registry)
+            self._placement.events.attach(sink, self._index)
+
+    def detach_kv_events(self, sink: KVEventSink) -> None:
+        with self._lock:
+            recorder = self._placement.events
+            if recorder is not None:
+                recorder.detach(sink)
+                if not recorder.sinks:
+                    self._placement.events = None  # nothing listens: placement reports nothing
+
+    def resync_kv_events(self, sink: KVEventSink) -> None:
+        """Hand an attached `sink` the whole picture again (`sink.reset`), e.g. after it dropped records."""
+        with self._lock:
+            recorder = self._placement.events
+            if recorder is not None and sink in recorder.sinks:
+                sink.reset(recorder.snapshot(self._index))
 
     # -- models ----------------------------------------------------------------------------
     def register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> ModelSpec:
