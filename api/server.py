@@ -141,7 +141,8 @@ async def _serve_until_signal(store: object, store_config: StoreConfig, server_c
         await ConnectionLimitedSite(runner, sock, max_connections=server_config.max_connections).start()
         line = describe(store_config, server_config, sock)
         if publisher is not None:
-            line += f" | kv events: {publisher.endpoint}" + (f", replay {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+            replay = f", replay {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+            line += f" | kv events: {publisher.endpoint}{replay}"
         print(line, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
