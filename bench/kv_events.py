@@ -107,8 +107,9 @@ def predicted_match(view: KVEventView, namespace: bytes, extra: tuple, tokens: l
 class Churn:
     """Random operations on a small store: every kind a router must follow."""
 
-    def __init__(self, seed: int, families: int = 40):
+    def __init__(self, seed: int, families: int = 40, restart_rate: float = 0.0015):
         self.rng = random.Random(seed)
+        self.restart_rate = restart_rate
         self.prefixes = [[self.rng.randrange(1, 5000) for _ in range(self.rng.randrange(4, 17))]
                          for _ in range(families)]
         self.stored: list[tuple[int, list[int]]] = []  # (model index, tokens) ever stored
@@ -129,7 +130,10 @@ class Churn:
                 yield "lookup", 0, [1]
                 continue
             if r < 0.0015:
-                yield "restart", 0, []
+                if rng.random() < self.restart_rate / 0.0015:
+                    yield "restart", 0, []
+                else:
+                    yield "lookup", 0, [1]
             elif r < 0.003:
                 yield "drop_model", rng.randrange(len(MODELS)), []
             elif r < 0.43:
@@ -222,8 +226,8 @@ class ZmqSubscriber:
 
 
 def run_exactness(ops: int, checkpoint_every: int, data_dir: str, seed: int = 0, zmq: bool = False,
-                  progress: bool = False) -> Exactness:
-    churn = Churn(seed)
+                  progress: bool = False, restart_rate: float = 0.0015) -> Exactness:
+    churn = Churn(seed, restart_rate=min(restart_rate, 0.0015))
     subscriber: Any = ZmqSubscriber() if zmq else MemorySubscriber()
     result = Exactness()
 

@@ -51,7 +51,8 @@ class KVEventRecorder:
 
     def attach(self, sink: KVEventSink, index: PageIndex) -> None:
         sink.reset(self.snapshot(index))
-        self.sinks.append(sink)
+        if sink not in self.sinks:  # attached again: it only gets the picture again
+            self.sinks.append(sink)
         self._rebind()
 
     def detach(self, sink: KVEventSink) -> None:
