@@ -4,7 +4,7 @@ For each trace, policy and tier configuration it prints one line: hit ratio (blo
 leading run of a request found cached before the request is stored, over all blocks), hits per
 tier, prefill tokens saved, and replay speed in block operations per second (one op = one block
 of one request looked up and touched or inserted, with the evictions it causes). `belady` is the
-offline optimum (bench/belady.py), the line the policies are measured against.
+offline optimum (bench/research/belady.py), the line the policies are measured against.
 
     python bench/eviction.py bench/data/mooncake_synthetic.jsonl \
         --capacities 0.01,0.02,0.05,0.1,0.2 --policies lru,lru-prefix,belady \
@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 from kvstore.config import StoreConfig
 
-from bench.belady import BeladyPolicy
-from bench.policies_research import BENCH_POLICIES
-from bench.replay import CompiledTrace, NextUse, ReplayResult, compile_trace, replay
-from bench.traces import load_trace
+from bench.research.belady import BeladyPolicy
+from bench.research.policies import BENCH_POLICIES
+from bench.research.replay import CompiledTrace, NextUse, ReplayResult, compile_trace, replay
+from bench.research.traces import load_trace
 
 BELADY = "belady"
 DEFAULT_POLICY: str = next(f.default for f in fields(StoreConfig) if f.name == "policy")  # type: ignore[assignment]
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("traces", nargs="+", help="Mooncake-format JSONL traces")
     parser.add_argument("--capacities", default="0.01,0.02,0.05,0.1,0.2")
     parser.add_argument("--policies", default=",".join([*BENCH_POLICIES, BELADY]),
-                        help="store policies, research ones (bench/policies_research.py) and belady")
+                        help="store policies, research ones (bench/research/policies.py) and belady")
     parser.add_argument("--tiers", action="append", default=[], help="name=capacity,... (top first); repeatable")
     parser.add_argument("--json", dest="json_path", help="write results here")
     parser.add_argument("--plot", dest="plot_path", help="write hit ratio vs capacity here (PNG)")

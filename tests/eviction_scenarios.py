@@ -1,21 +1,21 @@
 """Eviction scenarios shared by the store's policy tests (tests/kvstore) and the research
 policies' (tests/bench): a one-tier placement driven page by page, small block traces, and a
 policy that checks leaf-first eviction as it runs. Policies are named as the replay names them
-(a store policy, or a research one from bench/policies_research.py)."""
+(a store policy, or a research one from bench/research/policies.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from bench.policies_research import BENCH_POLICIES, policy_factory
-from bench.replay import CompiledTrace, ReplayResult, compile_trace, replay
-from bench.traces import PRESETS, Request, generate
+from bench.research.policies import BENCH_POLICIES, policy_factory
+from bench.research.replay import CompiledTrace, ReplayResult, compile_trace, replay
+from bench.research.traces import PRESETS, Request, generate
 from kvstore.index import Node, PageIndex
 from kvstore.keys import page_key, tokens_bytes
 from kvstore.placement import Placement
 from kvstore.policies import EvictionPolicy
 
 NS = b"\x01" * 16
-BLOCK_TOKENS = 512  # tokens per block of the traces below (bench.traces.BLOCK_TOKENS)
+BLOCK_TOKENS = 512  # tokens per block of the traces below (bench.research.traces.BLOCK_TOKENS)
 
 
 def block_trace(*prompts: list[int], tail_tokens: int = 0) -> CompiledTrace:

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from bench.belady import BeladyPolicy
+from bench.research.belady import BeladyPolicy
 from bench.eviction import main
-from bench.replay import NextUse, compile_trace, replay
-from bench.traces import PRESETS, generate, save_trace
+from bench.research.replay import NextUse, compile_trace, replay
+from bench.research.traces import PRESETS, generate, save_trace
 
 
 def brute_force_lru(requests: list[tuple[int, ...]], capacity: int) -> int:
@@ -99,7 +99,7 @@ def test_optgen_reconstructs_belady_with_bypass(monkeypatch) -> None:
     # Over a window long enough to hold every reuse, OPTgen's online decisions are MIN's.
     import random
 
-    import bench.belady as belady
+    import bench.research.belady as belady
 
     monkeypatch.setattr(belady, "WINDOW_TURNOVERS", 10**6)
     for trial in range(200):
@@ -114,7 +114,7 @@ def test_optgen_reconstructs_belady_with_bypass(monkeypatch) -> None:
 
 
 def test_optgen_tags_outcomes_and_forgets_past_its_window() -> None:
-    from bench.belady import WINDOW_TURNOVERS, OptGen
+    from bench.research.belady import WINDOW_TURNOVERS, OptGen
 
     outcomes: list[tuple[str, bool]] = []
     optgen = OptGen(lambda tag, hit: outcomes.append((tag, hit)))
@@ -129,7 +129,7 @@ def test_optgen_tags_outcomes_and_forgets_past_its_window() -> None:
 def test_reuse_features_optgen_label_is_reuse_when_everything_fits() -> None:
     # With room for every block nothing is evicted and MIN keeps every page until its next use:
     # each stored page whose key is used again gets one row, labelled kept, and no other does.
-    from bench.reuse_features import Recorder
+    from bench.research.reuse_features import Recorder
 
     requests = generate(replace(SMALL["chat"], seed=5))
     trace = compile_trace("chat", requests)

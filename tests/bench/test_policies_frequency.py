@@ -10,10 +10,10 @@ import pytest
 from eviction_scenarios import assert_leaf_first_and_no_worse_than_lru, block_trace, \
     hits_on_a_prompt_recurring_between_one_off_prompts, leaf_first_checked, two_tier_replay_checked_leaf_first
 
-from bench.policies_research import RESEARCH_POLICIES
-from bench.policy_frequency import SAMPLE, FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy
-from bench.replay import compile_trace, replay
-from bench.traces import PRESETS, generate
+from bench.research.policies import RESEARCH_POLICIES
+from bench.research.policy_frequency import SAMPLE, FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy
+from bench.research.replay import compile_trace, replay
+from bench.research.traces import PRESETS, generate
 from kvstore.index import Node
 from kvstore.shadow import MIN_SAMPLED_PAGES
 

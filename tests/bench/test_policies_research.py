@@ -1,4 +1,4 @@
-"""The research policies live in bench/, not in the store: the replay runs them by name beside
+"""The research policies live in bench/research/, not in the store: the replay runs them by name beside
 the store's own, and they keep the guarantees every policy gives
 (a sequence just stored is served whole; ARC's ghosts remember evicted keys)."""
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 from eviction_scenarios import block_trace, keeps_a_key_stored_again_soon_after_eviction
 
 from bench.eviction import main
-from bench.policies_research import BENCH_POLICIES, RESEARCH_POLICIES
-from bench.replay import Replayer
-from bench.traces import PRESETS, generate, save_trace
-from kvstore.policies import POLICIES
+from bench.research.policies import BENCH_POLICIES, RESEARCH_POLICIES
+from bench.research.replay import Replayer
+from bench.research.traces import PRESETS, generate, save_trace
+from kvstore.index import Node
+from kvstore.policies import POLICIES, LRUTailPolicy
 
 
 def test_the_replay_knows_the_store_policies_and_the_research_ones() -> None:
@@ -50,3 +51,12 @@ def test_the_eviction_cli_runs_research_policies_and_refuses_unknown_names(tmp_p
     with pytest.raises(SystemExit):
         main([str(path), "--policies", "lru,fifo"])
     assert "unknown 'fifo'" in capsys.readouterr().err
+
+
+def test_a_policy_that_changes_lru_tails_ranking_is_refused_at_definition() -> None:
+    # lru-tail's two heaps rank by (tail, last access) only: a subclass that ranks otherwise
+    # would be ranked wrong without a word, so defining one fails and names the way out.
+    with pytest.raises(TypeError, match="changes priority.*derive from EvictionPolicy"):
+        class Shifted(LRUTailPolicy):
+            def priority(self, node: Node) -> tuple:
+                return (not node.tail, -node.last_access)

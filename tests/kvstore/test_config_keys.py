@@ -59,7 +59,7 @@ def test_policies_are_duel_its_two_rules_and_lru_and_the_research_ones_are_refus
     for name in ("lru", "lru-tail", "seen-before", "duel"):
         assert StoreConfig(policy=name).policy == name
     assert StoreConfig().policy == "duel"
-    # Studied on the way to duel, they live in bench/ (bench/policies_research.py).
+    # Studied on the way to duel, they live in bench/ (bench/research/policies.py).
     for name in ("lru-prefix", "arc-prefix", "arc-tail", "seen-often", "seen-learned", "duel-freq"):
         refused = f"^policy: must be one of lru, lru-tail, seen-before, duel; got '{name}'$"
         with pytest.raises(ValueError, match=refused):

@@ -11,9 +11,9 @@ import pytest
 from eviction_scenarios import OneTier, block_trace, hits_on_a_prompt_recurring_between_one_off_prompts, \
     keeps_a_key_stored_again_soon_after_eviction
 
-from bench.policy_arc import LRUPrefixPolicy
-from bench.replay import Replayer, compile_trace, replay
-from bench.traces import PRESETS, generate
+from bench.research.policy_arc import LRUPrefixPolicy
+from bench.research.replay import Replayer, compile_trace, replay
+from bench.research.traces import PRESETS, generate
 from kvstore.config import StoreConfig
 from kvstore.index import Node
 from kvstore.keys import page_key, tokens_bytes

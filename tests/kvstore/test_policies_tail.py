@@ -8,8 +8,8 @@ import pytest
 from eviction_scenarios import assert_leaf_first_and_no_worse_than_lru, block_trace, \
     two_tier_replay_checked_leaf_first
 
-from bench.replay import replay
-from bench.traces import PRESETS
+from bench.research.replay import replay
+from bench.research.traces import PRESETS
 
 
 def test_a_continued_conversation_outlives_request_ends() -> None:

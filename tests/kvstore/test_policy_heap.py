@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.policies_research import BENCH_POLICIES
+from bench.research.policies import BENCH_POLICIES
 from kvstore.index import PageIndex
 from kvstore.keys import page_key, tokens_bytes
 

@@ -48,14 +48,14 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvstore.index import Node
-from kvstore.policies import LRUTailPolicy
+from kvstore.policies import EvictionPolicy, LRUTailPolicy
 
-from bench.belady import BeladyPolicy, OptGen
-from bench.replay import NEVER, NextUse, compile_trace, replay
-from bench.traces import PRESETS, Request, generate, load_trace
+from bench.research.belady import BeladyPolicy, OptGen
+from bench.research.replay import NEVER, NextUse, compile_trace, replay
+from bench.research.traces import PRESETS, Request, generate, load_trace
 
 FEATURES = ("depth", "run", "anchor_hits", "hit_len", "siblings", "tail", "seen", "count", "last_gap",
             "req_len", "to_end", "gap_ms")
@@ -69,9 +69,13 @@ def bucket(n: int) -> str:
     return f"{lo}-{2 * lo - 1}"
 
 
-class Recorder(LRUTailPolicy):
-    """`lru-tail` (or, with `belady`, the offline optimum) that records each page's features at
-    insert and its outcome at removal (with `optgen`: MIN's decision, once its next use comes)."""
+class Recorder(EvictionPolicy):
+    """`lru-tail`'s order (or, with `belady`, the offline optimum's) that records each page's
+    features at insert and its outcome at removal (with `optgen`: MIN's decision, once its next
+    use comes). It ranks in the base class's one heap: Belady's priority is not a last access."""
+
+    leaf_first = True
+    touch_in_place = True
 
     def __init__(self, tier: str, oracle: NextUse, gaps: list[float], req_lens: list[int], capacity: int,
                  rows: list, belady: bool = False, optgen: bool = False):
@@ -142,7 +146,7 @@ class Recorder(LRUTailPolicy):
         super().touch(node)
 
     def priority(self, node: Node) -> Any:
-        return self.belady.priority(node) if self.belady is not None else super().priority(node)
+        return self.belady.priority(node) if self.belady is not None else LRUTailPolicy.priority(self, node)
 
     def remove(self, node: Node) -> None:
         super().remove(node)

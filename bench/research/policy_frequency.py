@@ -1,11 +1,11 @@
 """Frequency-aware probation policies: how long to keep a page grows with how often its key is stored.
 
 Research policies, not part of the store (`StoreConfig` offers `lru`, `lru-tail`, `seen-before`
-and `duel`): bench/policies_research.py registers them with the eviction benchmark's replay, and
+and `duel`): bench/research/policies.py registers them with the eviction benchmark's replay, and
 docs/eviction.md has what they measured.
 
-`seen-before` (kvstore/policies.py) splits pages into new keys (probation, evicted first) and
-keys stored before (protected, LRU). On the Mooncake sample (bench/reuse_features.py) the number
+`seen-before` (kvstore/policies/seen_before.py) splits pages into new keys (probation, evicted first) and
+keys stored before (protected, LRU). On the Mooncake sample (bench/research/reuse_features.py) the number
 of times a key was stored before predicts reuse better than "seen or not", and a page is the
 likelier to be served before LRU evicts it the more often its key was stored. So these policies
 keep seen-before's probation and rank the protected pages by last use *plus a shift* that grows
@@ -40,15 +40,17 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from kvstore.index import Node
-from kvstore.policies import DuelPolicy, LRUTailPolicy, TwoSegmentPolicy
+from kvstore.policies import DuelPolicy, EvictionPolicy, LRUTailPolicy, TwoSegmentPolicy
 from kvstore.shadow import in_sample, sample_rate
 
 SAMPLE = DuelPolicy.SAMPLE  # at most 1/8 of the keys through the learning shadow (shadow.sample_rate)
 
 
-class _ShiftedLRU(LRUTailPolicy):
-    """A segment ranked by its owner's `rank(node)` (tail pages still first)."""
+class _ShiftedLRU(EvictionPolicy):
+    """A leaf-first segment ranked by its owner's `rank(node)`, tail pages first (`lru-tail`'s
+    order with a shift: one heap of the base class, since the rank is not a last access)."""
 
+    leaf_first = True
     touch_in_place = False  # a learned shift can lower a page's rank: touches re-rank it now
 
     def __init__(self, tier: str, rank: Callable[[Node], float]):

@@ -2,7 +2,7 @@
 
 They are not part of the store: `StoreConfig` offers `lru`, `lru-tail`, `seen-before` and `duel`.
 The eviction benchmark replays these through the store's own index and placement
-(bench/policies_research.py registers them), so they stay comparable with the product's
+(bench/research/policies.py registers them), so they stay comparable with the product's
 policies on any trace. docs/eviction.md has what they measured.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvstore.policies import EvictionPolicy, LRUTailPolicy, TwoSegmentPolicy
 
 class LRUPrefixPolicy(EvictionPolicy):
     """Leaf-first LRU: only pages with no descendant cached in this tier are candidates,
-    least recently used first (LMCache issue #1116: no orphaned suffixes). `lru-tail` without
+    least recently used first (as LMCache evicts: no orphaned suffixes). `lru-tail` without
     its tail pages first."""
 
     name = "lru-prefix"
@@ -72,7 +72,8 @@ class ARCPrefixPolicy(TwoSegmentPolicy):
         self._admit(node, segment)
 
     def remove(self, node: Node) -> None:
-        segment = self._leave(node)
+        segment = self._segment.get(node)
+        super().remove(node)
         if segment is None:
             return
         (self._recent_ghosts if segment is self.probation else self._frequent_ghosts)[node.key] = None

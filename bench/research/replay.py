@@ -20,8 +20,8 @@ from kvstore.index import Node, PageIndex
 from kvstore.keys import page_key, tokens_bytes
 from kvstore.placement import Placement, PolicyFactory
 
-from bench.policies_research import policy_factory
-from bench.traces import BLOCK_TOKENS, Request
+from bench.research.policies import policy_factory
+from bench.research.traces import BLOCK_TOKENS, Request
 
 NAMESPACE = b"\x00" * 16  # the one namespace of a replay
 NEVER = 1 << 62  # next use of a block that is not used again

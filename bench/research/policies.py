@@ -12,8 +12,8 @@ from __future__ import annotations
 from kvstore.placement import PolicyFactory
 from kvstore.policies import POLICIES, EvictionPolicy
 
-from bench.policy_arc import ARCPrefixPolicy, ARCTailPolicy, LRUPrefixPolicy
-from bench.policy_frequency import FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy
+from bench.research.policy_arc import ARCPrefixPolicy, ARCTailPolicy, LRUPrefixPolicy
+from bench.research.policy_frequency import FrequencyDuelPolicy, SeenLearnedPolicy, SeenOftenPolicy
 
 RESEARCH_POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPrefixPolicy.name: LRUPrefixPolicy,

@@ -28,7 +28,7 @@ import numpy as np
 from kvstore.index import Node
 from kvstore.policies import EvictionPolicy
 
-from bench.replay import NEVER, NextUse
+from bench.research.replay import NEVER, NextUse
 
 
 class BeladyPolicy(EvictionPolicy):
