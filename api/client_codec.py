@@ -22,7 +22,7 @@ from kvstore.config import DTYPE_BYTES, ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
 from kvstore.keys import MAX_TOKEN_ID
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
-from kvstore.store import MAX_TOKENS
+from kvstore.limits import MAX_TOKENS
 from kvstore.validation import SMALL_TOKEN_LIST, token_bytes
 
 MSGPACK = "application/msgpack"

@@ -1,0 +1,6 @@
+"""Limits every side checks a request against: the store, the sidecar and the client's encoder.
+
+A leaf (no imports), so the client checks a request as the store would without loading it.
+"""
+
+MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
