@@ -12,7 +12,7 @@ where it is read.
 Two capacities: nothing evicted (the read-your-writes check applies), and a CPU tier of a few
 dozen pages above a small disk tier (every store evicts; demotions, disk reads and promotions
 run all the time). `run_restarts` SIGKILLs a write-through sidecar at random moments and starts
-it again on the same data dir while the clients keep going: acknowledged stores must survive.
+it again on the same data dir; the clients wait for it and go on: acknowledged stores must survive.
 """
 from __future__ import annotations
 
@@ -250,16 +250,26 @@ def run_sidecar(data_dir: Path, *, ops: int, capacity: str, clients: int = 8, se
 
 
 def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed: int = 0,
-                 p_drop: float = 0.0002, interval_s: tuple[float, float] = (0.5, 2.0)) -> ConcurrencyReport:
+                 p_drop: float = 0.0002) -> ConcurrencyReport:
     """A write-through sidecar with room for everything, SIGKILLed `kills` times at random
     moments while the clients run, and started again on the same data dir at once. Operations
     that got no answer may or may not have happened (history.LOST); the request counters start
-    again at each start, so only the history's rules are checked."""
+    again at each start, so only the history's rules are checked.
+
+    The moments are drawn in operations, not seconds: kill k falls at a random point of the k-th
+    of `kills + 1` equal stretches of the workload, so every kill has operations acknowledged
+    before it and reads after the restart however slow the host is. While the sidecar is down,
+    clients wait for it as a client with retries would; a request in flight at the kill gets no
+    answer."""
     began = time.perf_counter()
     universe = Universe(seed=seed)
     rng = random.Random(seed)
     sidecar = Sidecar(data_dir, [*_serve_args("nothing evicted"), "--durability", "write-through"]).start()
     done = threading.Event()
+    up = threading.Event()
+    calls = _Progress()
+    stretch = ops / (kills + 1)
+    kill_at = [int(stretch * (k + rng.uniform(0.5, 1.0))) for k in range(kills)]
     killed = 0
     kill_ns: list[int] = []
     up_ns: list[int] = []
@@ -271,18 +281,24 @@ def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed
 
     def killer() -> None:
         nonlocal killed
-        while killed < kills and not done.wait(rng.uniform(*interval_s)):
+        for at in kill_at:
+            while calls.count < at:
+                if done.wait(0.005):
+                    return
+            up.clear()
             kill_ns.append(time.perf_counter_ns())
             sidecar.kill()
             killed += 1
             sidecar.start()
             register()
             up_ns.append(time.perf_counter_ns())
+            up.set()
 
     try:
         register()
+        up.set()
         # The port changes at each start: clients follow the sidecar through a proxy object.
-        backends = [_Following(sidecar, i % 2 == 0) for i in range(clients)]
+        backends = [_Following(sidecar, up, calls, i % 2 == 0) for i in range(clients)]
         chaos = threading.Thread(target=killer)
         chaos.start()
         try:
@@ -306,15 +322,30 @@ def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed
     return report
 
 
-class _Following:
-    """A client of whatever URL the sidecar has now (a restart picks a new port)."""
+class _Progress:
+    """Operations started so far, across client threads."""
 
-    def __init__(self, sidecar: Sidecar, shared_memory: bool):
-        self.sidecar, self.shared_memory = sidecar, shared_memory
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+
+class _Following:
+    """A client of whatever URL the sidecar has now (a restart picks a new port); each operation
+    waits while the sidecar is down and counts toward the killer's schedule."""
+
+    def __init__(self, sidecar: Sidecar, up: threading.Event, calls: _Progress, shared_memory: bool):
+        self.sidecar, self.up, self.calls, self.shared_memory = sidecar, up, calls, shared_memory
         self.url = ""
         self.client: KVStoreClient | None = None
 
     def _now(self) -> KVStoreClient:
+        self.up.wait(60)
+        self.calls.add()
         if self.client is None or self.url != self.sidecar.url:
             if self.client is not None:
                 self.client.close()
