@@ -29,7 +29,7 @@ model: $(VENV)/.installed
 install: system-deps $(VENV)/.installed model
 
 # redis-server backs the Redis tier's tests and the Redis column of bench/api.py; valgrind
-# counts the instructions of bench/instructions.py.
+# counts the instructions of `python -m bench.profiling instructions`.
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 && command -v valgrind >/dev/null 2>&1 || { \
 	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
@@ -43,8 +43,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
+# One worker per CPU (tests/conftest.py gives each its own cores), a whole file per worker so a
+# module's engine or sidecar is built once; TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= auto
 test: install lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 # Each benchmark prints its table and writes JSON under bench/out/ (the README's figures).
 bench: install

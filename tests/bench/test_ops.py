@@ -1,4 +1,4 @@
-"""bench/ops.py and bench/profile_ops.py at tiny sizes: every case comes out, its ratios are the
+"""bench/ops.py at tiny sizes: every case comes out, its ratios are the
 ones its own figures give, each target is judged as its value says, and the disk cases really
 read the disk. No assertion is on speed."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import ops, profile_ops
+from bench import ops
 
 
 def test_ops_in_process_and_disk_cases(tmp_path, capsys) -> None:
@@ -50,34 +50,3 @@ def test_ops_bad_arguments_name_the_option(capsys) -> None:
     with pytest.raises(SystemExit):
         ops.main(["--big-mib", "1"])
     assert "--big-mib" in capsys.readouterr().err
-
-
-def test_categories_group_a_profile() -> None:
-    """Python code by its file, builtins by their name, and a builtin without a category of its
-    own in its caller's, split by what each caller spent in it."""
-    store = ("/x/kvstore/store.py", 10, "fetch")
-    index = ("/x/kvstore/index.py", 5, "match")
-    copy = ("~", 0, "<built-in method numpy.copyto>")
-    getter = ("~", 0, "<method 'get' of 'dict' objects>")
-    stats = {
-        store: (1, 1, 0.010, 0.050, {}),
-        index: (1, 1, 0.004, 0.010, {store: (1, 1, 0.004, 0.010)}),
-        copy: (1, 1, 0.020, 0.020, {store: (1, 1, 0.020, 0.020)}),
-        getter: (2, 2, 0.006, 0.006, {store: (1, 1, 0.002, 0.002), index: (1, 1, 0.004, 0.004)}),
-    }
-    got = profile_ops.categorize(stats)
-    assert got == pytest.approx({"store control flow": 0.012, "token hashing and tree match": 0.008, "copy": 0.020})
-
-
-def test_profile_in_process_cases(tmp_path) -> None:
-    out = tmp_path / "profile.json"
-    assert profile_ops.main(["--quick", "--paths", "in-process", "--json", str(out)]) == 0
-    cases = json.loads(out.read_text())["this run"]["cases"]
-    assert sorted(cases) == ["in-process fetch 2 MiB", "in-process fetch 64 KiB", "in-process store 2 MiB",
-                             "in-process store 64 KiB"]
-    for case in cases.values():
-        # Shares of the profile scaled to the unprofiled p50: they add up to it.
-        assert sum(case["categories_us"].values()) == pytest.approx(case["p50_us"])
-        assert "harness" not in case["categories_us"]
-    # A 2 MiB fetch copies its bytes: the copy is seen (numpy's copyto is wrapped while profiling).
-    assert cases["in-process fetch 2 MiB"]["categories_us"]["copy"] > 0

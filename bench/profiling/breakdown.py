@@ -1,8 +1,8 @@
 """Where the time goes: a profiler's breakdown of a one-page (64 KiB) and a four-page (2 MiB)
 store and fetch, in-process and through the sidecar (shared memory and TCP), in µs per call.
 
-    python bench/profile_ops.py [--quick] [--json FILE]
-    python bench/profile_ops.py --before-site DIR [--quick]    # the old code (PYTHONPATH=DIR) and this one
+    python -m bench.profiling breakdown [--quick] [--json FILE]
+    python -m bench.profiling breakdown --before-site DIR [--quick]   # older code (PYTHONPATH=DIR) and this one
 
 Each case runs twice with the same calls: unprofiled, for its p50, then under cProfile. The
 profile's self times are grouped into categories (below); a builtin (a C function: a copy, a
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))

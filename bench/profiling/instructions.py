@@ -13,8 +13,8 @@ is the difference: the instructions the operation executes besides copying its b
 and one contiguous 2 MiB with a vector loop, so the two copies' counts are not comparable; its
 total still compares two versions of the code.
 
-    python bench/instructions.py                         # this checkout
-    python bench/instructions.py --before-site OLD_SITE  # an importable copy of older code too
+    python -m bench.profiling instructions                         # this checkout
+    python -m bench.profiling instructions --before-site OLD_SITE  # an importable copy of older code too
 
 Needs valgrind (`apt-get install -y valgrind`); a run takes about a minute per case and side.
 """
@@ -118,12 +118,12 @@ def say(child: subprocess.Popen, line: str) -> None:
     child.stdin.flush()  # type: ignore[union-attr]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--calls", type=int, default=300, help="calls counted per case (default 300)")
     parser.add_argument("--before-site", metavar="DIR", help="an importable copy of older code, counted first")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind is not installed: apt-get install -y valgrind")
     cases = [c for c in args.cases.split(",") if c]
@@ -139,7 +139,8 @@ def main() -> None:
             per_call, imported = count(case, args.calls, site)
             besides = "–" if copy is None else f"{per_call - copy:,.0f}"
             print(f"| {case} | {label} ({Path(imported).parent}) | {per_call:,.0f} | {besides} |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,7 @@
   stored in the meta page, 0 unless MDB_FIXEDMAP) and the file's size, the overflow page's
   header checked against the node, then the copy; against the plain copying `txn.get`.
 
-    python bench/reliability/lmdb_check_cost.py [--gib 1]
+    python -m bench.profiling lmdb-checks [--gib 1]
 
 Environments are built with plain lmdb in the tier's layout (`meta`: ~150-byte headers, `data`:
 payloads, one commit per 200 records, every 7th record deleted so the free list is not empty).

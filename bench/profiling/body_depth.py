@@ -1,13 +1,14 @@
 """What refusing deep nesting costs a normal request body: the whole decode, and the depth
 check alone, in the same run (best of several repeats, microseconds per body).
 
-    python bench/reliability/decode_cost.py
+    python -m bench.profiling body-depth
 
 The depth check of a JSON body is api/nesting.json_too_deep; of a msgpack body, the difference
 between framing.unpack_map with wire.MAX_BODY_DEPTH (what decode_msgpack passes) and without.
 """
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import sys
@@ -49,7 +50,8 @@ def bodies() -> dict[str, tuple[str, bytearray]]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     print("| body | decode (us) | of which the depth check (us) | share |\n|---|---|---|---|")
     for name, (kind, body) in bodies().items():
         raw = bytearray(body.encode() if isinstance(body, str) else body)

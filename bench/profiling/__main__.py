@@ -1,0 +1,45 @@
+"""Where a store operation's time goes: kvstore's profiling tool, one subcommand per question.
+
+    python -m bench.profiling breakdown [--quick] [--paths in-process,sidecar] [--json FILE]
+    python -m bench.profiling instructions [--cases ...] [--before-site OLD_SITE]
+    python -m bench.profiling floor [--rounds 5] [--seconds 0.4] [--json FILE]
+    python -m bench.profiling body-depth
+    python -m bench.profiling lmdb-checks [--gib 1]
+
+- breakdown: cProfile's self times of one-page and four-page stores and fetches, in-process and
+  through the sidecar, grouped into categories and scaled to each case's unprofiled p50;
+- instructions: instructions per operation under valgrind (callgrind), besides the copy of the
+  bytes: a fixed cost that a shared machine's noise cannot move;
+- floor: the cheapest one-page store and fetch CPython allows with a store's basic guarantees,
+  beside kvstore's and bench/ops.py's dict baseline, in one interleaved run;
+- body-depth: what refusing deeply nested request bodies costs a normal body's decode;
+- lmdb-checks: what proving LMDB reads stay inside data.mdb costs, at start and per read.
+
+`breakdown` and `instructions` take `--before-site DIR` (an importable copy of older code) to
+compare two versions in one run. docs/performance.md and docs/reliability.md read their output.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> module of bench.profiling whose `main(argv) -> int` answers it
+COMMANDS = {"breakdown": "breakdown", "instructions": "instructions", "floor": "floor",
+            "body-depth": "body_depth", "lmdb-checks": "lmdb_checks"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] not in COMMANDS:
+        print(__doc__, file=sys.stderr)
+        if args and args[0] not in ("-h", "--help"):
+            print(f"unknown subcommand {args[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0 if args else 2
+    module = importlib.import_module(f"bench.profiling.{COMMANDS[args[0]]}")
+    sys.argv[0] = f"python -m bench.profiling {args[0]}"  # argparse's name for it in --help
+    return module.main(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
