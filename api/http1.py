@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from kvstore.host_memory import empty_host_bytes
 
-_MAX_HEAD_BYTES = 64 << 10  # a whole answer head; the sidecar's are ~120 bytes
+_MAX_HEAD_BYTES = 64 << 10  # a whole answer head; the sidecar's are far smaller
 _MAX_HEADERS = 100
 _SMALL_BODY_BYTES = 64 << 10
 _READ_BYTES = 128 << 10  # the reused read buffer: a small answer and the head of a large one

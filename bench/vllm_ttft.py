@@ -37,7 +37,7 @@ of 2.
 The connector's share of a decode request is profiled (cProfile) on one more request of the
 in-process engine: the time inside its vLLM hooks over the request's.
 
-Targets (issue 18): a sidecar hit <= 0.25x the full prefill at 8k and <= 2x vLLM's own hit; with
+Targets: a sidecar hit <= 0.25x the full prefill at 8k and <= 2x vLLM's own hit; with
 the connector on and nothing to hit, prefill TTFT and decode tokens/s within 3% of no connector.
 """
 from __future__ import annotations

@@ -103,7 +103,7 @@ class PagedKVCache:
         kv = kv.to(device=flat.device, dtype=flat.dtype)
         span = self.slot_range(table, start, end)
         if span is not None:
-            # A plain copy, not torch's OpenMP one: on a busy host the pool's threads stall it 3-5x.
+            # A plain copy, not torch's OpenMP one: on a busy host the pool's threads stall it.
             copy_into(flat[:, :, span], kv)
         else:
             flat.index_copy_(2, self.slots(table, start, end), kv)

@@ -6,9 +6,8 @@ Encoded layout of the KV of n tokens (compact: a tail page is just a smaller n):
     [ scale: (L, 2, n, H)     bfloat16                L*2*n*H*2 bytes ]
 
 one scale per token per head of each layer's K and V (`gpu.quant` explains the scheme). So a
-page takes (D + 2) / (D * itemsize) of its raw bytes: with float16 KV and head_dim 128, 130/256,
-i.e. the CPU tier holds 1.97x as many pages in the same `cpu_bytes` (1.94x at head_dim 64;
-only head_dim < 64 falls below 1.9x).
+page takes (D + 2) / (D * itemsize) of its raw bytes: with float16 KV, (D + 2) / 2D, so the CPU
+tier holds close to twice as many pages in the same `cpu_bytes`, the closer the larger head_dim.
 
 CUDA tensors are (de)quantized on their device by the CUDA kernels when CuPy is there, and by the
 torch reference on that device otherwise; CPU tensors by the torch reference. When the KV and the
@@ -111,8 +110,8 @@ class Int8Codec(_QuantCodec):
 class FP8Codec(_QuantCodec):
     """fp8 e4m3 (max 448), one bfloat16 scale per token per head (scale = amax / 448, rounded up).
 
-    Error bound per element: |x - x'| <= 2^-4 |x| where |x| >= scale * 2^-6 (the e4m3 normals; the
-    issue's target is 2^-3), else |x - x'| <= scale * 2^-10; plus the rounding of x' to the KV dtype
+    Error bound per element: |x - x'| <= 2^-4 |x| where |x| >= scale * 2^-6 (the e4m3 normals),
+    else |x - x'| <= scale * 2^-10; plus the rounding of x' to the KV dtype
     as for int8. Nothing saturates: |x| / scale <= 448 by construction.
     """
 

@@ -1,4 +1,4 @@
-"""Reliability scenarios (issue 9): crash, corruption, full disk, load, hostile input, tenants.
+"""Reliability scenarios: crash, corruption, full disk, load, hostile input, tenants.
 
 Each module runs one scenario against a real `kvstore serve` subprocess or a real store and
 returns its figures; `tests/reliability/` runs them small and asserts, `bench/chaos.py` runs

@@ -1,7 +1,7 @@
 """Two real `kvstore serve` sidecars (separate data dirs) and one Redis, over HTTP: what one
 stores the other fetches bit-exact and promotes; tenants hold across sidecars; Redis killed
 mid-run leaves both answering from their local tiers (no 5xx), and sharing resumes once it is
-back (docs/design.md §5, issue "Redis tier")."""
+back (docs/design.md §5)."""
 from __future__ import annotations
 
 import json
