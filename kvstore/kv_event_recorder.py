@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from kvstore.index import Node, PageIndex
-from kvstore.kv_events import TIER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, token_list
+from kvstore.kv_events import (TIER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash,
+                               token_list)
 from kvstore.registry import ModelRegistry
 
 STORED, REMOVED, CLEARED = 0, 1, 2
@@ -123,9 +124,11 @@ def record_to_event(record: Record) -> KVEvent:
     if kind == STORED:
         _, key, parent, tokens, tier, (extra, block_size) = record
         medium, locality = TIER_MEDIA.get(tier, (tier.upper(), None))
-        return BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=token_list(tokens),
-                           block_size=block_size, medium=medium, extra_keys=[extra], locality=locality)
+        return BlockStored(block_hashes=[block_hash(key)],
+                           parent_block_hash=None if parent is None else block_hash(parent),
+                           token_ids=token_list(tokens), block_size=block_size, medium=medium, extra_keys=[extra],
+                           locality=locality)
     if kind == REMOVED:
         medium, locality = TIER_MEDIA.get(record[2], (record[2].upper(), None))
-        return BlockRemoved(block_hashes=[record[1]], medium=medium, locality=locality)
+        return BlockRemoved(block_hashes=[block_hash(record[1])], medium=medium, locality=locality)
     return AllBlocksCleared()

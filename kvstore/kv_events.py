@@ -10,6 +10,9 @@ vLLM's own decoder (`msgspec.msgpack.Decoder(KVEventBatch)`) and every consumer 
 Fields that have a default in vLLM are left out when they hold it (its `omit_defaults`); the
 ones without (`lora_id`, `medium`, `lora_name`, ...) are always written, None or not.
 
+Block hashes are the store's page keys (the chained prefix keys of docs/design.md §2) as
+64-bit integers (`block_hash`), the form vLLM publishes its own in by default and routers index.
+
 A tier's copy of a page is reported under the medium of that tier (`TIER_MEDIA`): gpu "GPU",
 cpu "CPU", disk "STORAGE" (locality "LOCAL"), redis "STORAGE" with locality "REMOTE" (a tier
 other sidecars share). A subscriber keys what it holds by (medium, locality).
@@ -42,6 +45,13 @@ TIER_MEDIA: dict[str, tuple[str, str]] = {
 }
 
 BlockHash = Union[bytes, int]
+HASH_MASK = (1 << 64) - 1
+
+
+def block_hash(page_key: bytes) -> int:
+    """A page key as the 64-bit block hash routers index by: vLLM's own conversion of its block
+    hashes (`maybe_convert_block_hash`, on by default), the key's last 8 bytes, big-endian."""
+    return int.from_bytes(page_key, "big") & HASH_MASK
 
 
 @dataclass(frozen=True)

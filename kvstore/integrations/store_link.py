@@ -104,6 +104,11 @@ class StoreLink:
         self.warning = RateLimitedWarning()
         self._closed = False
 
+    @property
+    def in_process_store(self) -> KVStore | None:
+        """This process's store, when the link uses one (None: a sidecar)."""
+        return self._store
+
     # -- which backend serves a salt ----------------------------------------------------------
     def _backend(self, salt: str | None) -> tuple[Any, str | None] | None:
         """(backend, tenant argument) for requests with `salt`; None when they may not use the store."""

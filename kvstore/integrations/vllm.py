@@ -67,6 +67,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.model = model = store_model_name(vllm_config.model_config.served_model_name, self.config.model)
         self.link: StoreLink | None = None
         self.scheduler: SchedulerSide | None = None
+        self.events: Any = None  # ConnectorEvents: what take_events reports (vllm_kv_events.py)
         self.worker: WorkerSide | None = None
         self._sidecar: Any = None  # the loopback sidecar an in-process store is served to a worker process by
         self._store_url: str | None = None
@@ -78,7 +79,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if transfer.kv_load_failure_policy != "recompute":
                 log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a store miss is recomputed)")
                 transfer.kv_load_failure_policy = "recompute"
-            self.scheduler = SchedulerSide(self.link, self.block_size)
+            self.events = self._scheduler_events(vllm_config)
+            self.scheduler = SchedulerSide(self.link, self.block_size, self.events)
         else:
             if self.config.url is not None:
                 self.link = StoreLink(self.config, model, spec)
@@ -101,6 +103,29 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._store_url = self._sidecar.__enter__()
         log.info("KVStoreConnector: serving the in-process store to the worker process at %s", self._store_url)
         return StoreLink(self.config, self.model, self.spec, url=self._store_url, tenants_by_token=False)
+
+    def _scheduler_events(self, vllm_config: "VllmConfig") -> Any:
+        """KV events of the store's copies of this engine's blocks, when vLLM publishes KV events
+        (`--kv-events-config`) and the store is this process's (a sidecar publishes its own)."""
+        events_config = vllm_config.kv_events_config
+        if events_config is None or not events_config.enable_kv_cache_events:
+            return None
+        store = self.link.in_process_store if self.link is not None else None
+        if store is None and self._sidecar is not None:  # this process's store, served to the worker process
+            store = getattr(self._sidecar, "_store", None)
+        if store is None:
+            log.info("KVStoreConnector: KV events of a sidecar's pages come from the sidecar's own stream "
+                     "(kvstore serve --kv-events-endpoint); take_events reports none")
+            return None
+        from kvstore.integrations.vllm_kv_events import ConnectorEvents
+
+        return ConnectorEvents(store, self.model, self.spec, self.block_size)
+
+    def take_events(self):  # type: ignore[override]
+        """vLLM's events for the store's copies of this engine's blocks (BlockStored with the
+        medium of the tier that holds them, BlockRemoved when it no longer does), published by
+        vLLM's scheduler with its own."""
+        return self.events.take() if self.events is not None else ()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -185,6 +210,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False, None
 
     def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.link is not None:
             self.link.close()
         if self._sidecar is not None:

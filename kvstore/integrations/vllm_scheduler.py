@@ -59,11 +59,13 @@ class _Tracked:
     prompt: list[int]
     block_ids: list[int] = field(default_factory=list)
     saved_tokens: int = 0
+    request: Any = None  # vLLM's request: its block hashes name the blocks in KV events
 
 
 class SchedulerSide:
-    def __init__(self, link: StoreLink, block_size: int):
+    def __init__(self, link: StoreLink, block_size: int, events: Any = None):
         self.link, self.block_size = link, block_size
+        self.events = events  # ConnectorEvents (vllm_kv_events.py) when vLLM publishes KV events, else None
         self._requests: dict[str, _Tracked] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (local tokens, store hit end), last answer
         self._loads: dict[str, LoadSpec] = {}  # allocated, to be loaded in the next step
@@ -77,7 +79,8 @@ class SchedulerSide:
 
     def on_new_request(self, request: Any) -> None:
         if self.usable(request) and self.link.usable(request.cache_salt):
-            self._requests[request.request_id] = _Tracked(request.cache_salt, list(request.prompt_token_ids))
+            self._requests[request.request_id] = _Tracked(request.cache_salt, list(request.prompt_token_ids),
+                                                          request=request if self.events is not None else None)
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` (vLLM's block-aligned local hit) the store can load."""
@@ -138,6 +141,8 @@ class SchedulerSide:
             return
         meta.saves.append(SaveSpec(req_id, tracked.salt, tracked.prompt[:end], tracked.saved_tokens,
                                    tracked.block_ids[:end // self.block_size]))
+        if self.events is not None and tracked.request is not None:
+            self.events.expect(tracked.salt, tracked.prompt[:end], tracked.request.block_hashes)
         tracked.saved_tokens = end
 
     def request_finished(self, request: Any) -> None:
