@@ -28,8 +28,8 @@ from typing import Any
 import zmq
 
 from kvstore.config import check_int
-from kvstore.kv_event_recorder import Record, record_to_event
-from kvstore.kv_events import KVEventBatch, encode_batch, now_s
+from kvstore.kv_event_recorder import Record, records_to_wire
+from kvstore.kv_events import encode_wire, now_s
 
 log = logging.getLogger("kvstore.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -172,14 +172,14 @@ class KVEventsPublisher:
             records = []
             while queue and len(records) < limit:
                 records.append(queue.popleft())
-            self._send([record_to_event(r) for r in records])
+            self._send(records_to_wire(records))
             if self._queue is not queue:  # a resync replaced it: the rest is superseded
                 queue = self._queue
 
     def _send(self, events: list) -> None:
         seq = self._seq
         self._seq += 1
-        payload = encode_batch(KVEventBatch(now_s(), events, 0))
+        payload = encode_wire(now_s(), events, 0)
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         if self._replay is not None:
             self._buffer.append((seq, payload))

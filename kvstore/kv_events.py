@@ -123,8 +123,12 @@ def event_to_wire(event: KVEvent) -> dict[str, Any]:
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The msgpack payload vLLM's `ZmqEventPublisher` sends for `batch`."""
-    return msgpack.packb([batch.ts, [event_to_wire(e) for e in batch.events], batch.data_parallel_rank],
-                         use_bin_type=True)
+    return encode_wire(batch.ts, [event_to_wire(e) for e in batch.events], batch.data_parallel_rank)
+
+
+def encode_wire(ts: float, events: list[dict[str, Any]], data_parallel_rank: int | None) -> bytes:
+    """A batch payload from events already in their wire form (`event_to_wire`)."""
+    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

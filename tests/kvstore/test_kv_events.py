@@ -12,7 +12,9 @@ from kvstore.errors import InsufficientStorage, InvalidKV
 from kvstore.kv_event_log import KVEventLog
 from kvstore.kv_event_view import KVEventView
 from kvstore.keys import page_key, tokens_bytes
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hash
+from kvstore.kv_event_recorder import CLEARED, REMOVED, STORED, record_to_event, records_to_wire
+from kvstore.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash, decode_batch,
+                               encode_batch, encode_wire)
 
 
 def test_churn_of_ten_thousand_operations_is_exact_at_every_checkpoint(tmp_path):
@@ -144,4 +146,18 @@ def test_a_log_that_falls_behind_resyncs_and_counts_what_it_dropped(tmp_path):
     assert log.dropped > 0
     view.apply(log.take(store))
     assert view.held == store_picture(store)
+    store.close()
+
+
+def test_the_publishers_fast_encoding_is_the_events_encoding(tmp_path):
+    store = open_store(tmp_path)
+    log = KVEventLog()
+    store.attach_kv_events(log)
+    store.store("m", list(range(1, 11)), kv(10), tenant="acme")
+    store.drop_model("m", tenant="acme")
+    records = log.take_records(store)
+    assert {r[0] for r in records} == {STORED, REMOVED, CLEARED}
+    events = [record_to_event(r) for r in records]
+    assert encode_wire(1.0, records_to_wire(records), 0) == encode_batch(KVEventBatch(1.0, events, 0))
+    assert decode_batch(encode_batch(KVEventBatch(1.0, events, 0))).events == events
     store.close()
