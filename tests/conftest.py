@@ -1,10 +1,32 @@
 """Shared fixtures: a tiny model spec and stores on temporary data dirs."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvstore import KVStore, ModelSpec, StoreConfig
+
+
+def pytest_configure(config):
+    """Under `pytest -n N` (make test), each worker gets its own share of the CPUs.
+
+    Without it every worker's torch, and every vLLM engine or sidecar a test starts, sizes its
+    thread pool to the whole machine, and N workers' spinning OpenMP threads fight over the same
+    cores, which costs far more than the parallelism gains. The affinity is inherited by the
+    processes a test starts (vLLM binds its threads to the CPUs it is allowed)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or count is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    index, count = int(worker.removeprefix("gw")), int(count)
+    if len(cpus) < count:
+        return
+    share = cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))  # torch sized its pool when it was imported, before this
+    os.environ["OMP_NUM_THREADS"] = str(len(share))
 
 
 def pytest_collection_modifyitems(config, items):
