@@ -1,4 +1,4 @@
-"""The `kvstore` console script: `serve`, `stats` (and `generate`/`demo` from decode.cli).
+"""The `kvstore` console script: `serve`, `stats`, `proxy` (and `generate`/`demo` from decode.cli).
 
 This is the one place that reads flags and `KVSTORE_*` environment variables. The `serve` flags
 are generated from the fields of `StoreConfig` and `ServerConfig`, so they map one-to-one onto
@@ -132,6 +132,19 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     stats.add_argument("--token", default=environ.get(_env("token")), help="bearer token (env KVSTORE_TOKEN)")
     stats.add_argument("--timeout-s", type=float, default=10.0)
     stats.set_defaults(run=_run_stats)
+    proxy = commands.add_parser(
+        "proxy", help="prefill on one engine, decode on another (disaggregated serving)",
+        description="An OpenAI-compatible proxy: each request is prefilled on a prefill engine (kv_role "
+                    "kv_producer) and generated on a decode engine (kv_consumer) that loads the prompt's KV "
+                    "from the store. Engines are taken round-robin; see docs/disaggregation.md.")
+    proxy.add_argument("--prefill", action="append", default=[], metavar="URL",
+                       help="a prefill engine, e.g. http://127.0.0.1:8001 (repeat for several; none: decode only)")
+    proxy.add_argument("--decode", action="append", default=[], metavar="URL", required=True,
+                       help="a decode engine, e.g. http://127.0.0.1:8002 (repeat for several)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8200)
+    proxy.add_argument("--timeout-s", type=float, default=600.0, help="longest wait for one engine's answer")
+    proxy.set_defaults(run=_run_proxy)
     try:  # generate/demo live with the decode loop, which may not be installed
         from kvstore.decode import cli as decode_cli
     except ImportError:
@@ -152,6 +165,18 @@ def _run_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     return serve(store_config, server_config)
 
 
+def _run_proxy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from kvstore.api.proxy import ProxyConfig, run_proxy
+
+    try:
+        config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
+                             port=args.port, timeout_s=args.timeout_s)
+    except ValueError as exc:
+        print(f"kvstore proxy: {exc}", file=sys.stderr)
+        return 2
+    return run_proxy(config)
+
+
 def _run_stats(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from kvstore.api.client import KVStoreClient
     from kvstore.errors import KVStoreError
@@ -170,7 +195,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = build_parser(environ).parse_args(argv)
     run = args.run
     # decode.cli's subcommands set their own `run(args)`; ours also take the environment.
-    return run(args, environ) if run in (_run_serve, _run_stats) else run(args)
+    return run(args, environ) if run in (_run_serve, _run_stats, _run_proxy) else run(args)
 
 
 if __name__ == "__main__":
