@@ -80,7 +80,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a store miss is recomputed)")
                 transfer.kv_load_failure_policy = "recompute"
             self.events = self._scheduler_events(vllm_config)
-            self.scheduler = SchedulerSide(self.link, self.block_size, self.events)
+            self.scheduler = SchedulerSide(self.link, self.block_size, self.events, role=transfer.kv_role or "kv_both")
         else:
             if self.config.url is not None:
                 self.link = StoreLink(self.config, model, spec)
@@ -205,9 +205,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreConnectorMetadata(self.scheduler.build_meta(scheduler_output), self._store_url)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler is not None:
-            self.scheduler.request_finished(request)
-        return False, None
+        """Never delays freeing (saves finish within their step). A producer's answer carries
+        kv_transfer_params naming what it stored, for the decode engine and the proxy."""
+        if self.scheduler is None:
+            return False, None
+        saved = self.scheduler.request_finished(request)
+        if self.scheduler.role != "kv_producer" or saved is None:
+            return False, None
+        return False, {"kvstore_model": self.model, "kvstore_tokens": saved}
 
     def shutdown(self) -> None:
         if self.events is not None:

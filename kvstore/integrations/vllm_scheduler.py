@@ -17,9 +17,13 @@ Invariants:
 - A request's state lives from `on_new_request` to `request_finished` (finished, aborted,
   rejected alike). A preempted request keeps it: its stored blocks stay stored; when it is
   resumed its block ids are replaced and the store is asked again.
-- Saves are synchronous within the step (the worker copies the blocks out before the step
-  ends), so no block outlives its request on the connector's account: `request_finished`
-  never delays freeing.
+- Saves are synchronous within the step (the worker stores the blocks before the step ends),
+  so no block outlives its request on the connector's account, and `request_finished` never
+  delays freeing: once vLLM calls it, every whole prompt block is in the store, and the next
+  lookup of any engine finds it.
+- Roles (vLLM's kv_role, docs/disaggregation.md): a producer stores and never loads (its
+  prefills are the ones a decode engine reuses, so they are computed from the prompt alone);
+  a consumer loads and never stores prompt blocks (a producer already did); kv_both does both.
 """
 from __future__ import annotations
 
@@ -62,9 +66,15 @@ class _Tracked:
     request: Any = None  # vLLM's request: its block hashes name the blocks in KV events
 
 
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
 class SchedulerSide:
-    def __init__(self, link: StoreLink, block_size: int, events: Any = None):
-        self.link, self.block_size = link, block_size
+    def __init__(self, link: StoreLink, block_size: int, events: Any = None, role: str = "kv_both"):
+        if role not in ROLES:
+            raise ValueError(f"kv_role: must be one of {', '.join(ROLES)}, got {role!r}")
+        self.link, self.block_size, self.role = link, block_size, role
+        self.loads, self.saves = role != "kv_producer", role != "kv_consumer"
         self.events = events  # ConnectorEvents (vllm_kv_events.py) when vLLM publishes KV events, else None
         self._requests: dict[str, _Tracked] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (local tokens, store hit end), last answer
@@ -85,7 +95,7 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` (vLLM's block-aligned local hit) the store can load."""
         tracked = self._requests.get(request.request_id)
-        if tracked is None:
+        if tracked is None or not self.loads:
             return 0
         B = self.block_size
         limit = (len(tracked.prompt) - 1) // B * B  # whole blocks, never the last prompt token
@@ -137,7 +147,7 @@ class SchedulerSide:
 
     def _plan_save(self, meta: StepMeta, req_id: str, tracked: _Tracked, computed_after_step: int) -> None:
         end = min(computed_after_step, len(tracked.prompt)) // self.block_size * self.block_size
-        if end <= tracked.saved_tokens or end // self.block_size > len(tracked.block_ids):
+        if not self.saves or end <= tracked.saved_tokens or end // self.block_size > len(tracked.block_ids):
             return
         meta.saves.append(SaveSpec(req_id, tracked.salt, tracked.prompt[:end], tracked.saved_tokens,
                                    tracked.block_ids[:end // self.block_size]))
@@ -145,10 +155,12 @@ class SchedulerSide:
             self.events.expect(tracked.salt, tracked.prompt[:end], tracked.request.block_hashes)
         tracked.saved_tokens = end
 
-    def request_finished(self, request: Any) -> None:
-        self._requests.pop(request.request_id, None)
+    def request_finished(self, request: Any) -> int | None:
+        """Forget the request; the prompt tokens its saves put in the store (None: not tracked)."""
+        tracked = self._requests.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        return tracked.saved_tokens if tracked is not None else None
 
     @property
     def num_tracked(self) -> int:

@@ -93,6 +93,41 @@ def test_chunked_prefill_stores_each_chunk_once_and_never_the_partial_block(link
     assert decode.saves == []
 
 
+def test_a_producer_stores_and_never_loads_and_says_what_it_stored(link):
+    prompt = list(range(1, 201))  # 6 whole blocks + 8 tokens
+    store_prefix(link, prompt[:96])  # a hit a kv_both engine would load
+    producer = SchedulerSide(link, BLOCK, role="kv_producer")
+    req = request("p", prompt)
+    producer.on_new_request(req)
+    assert producer.matched_tokens(req, 0) == 0
+    producer.after_alloc(req, list(range(7)), 0)
+    meta = producer.build_meta(step(new=[("p", list(range(7)), 0, 200)]))
+    assert meta.loads == [] and [(s.start, len(s.tokens)) for s in meta.saves] == [(0, 192)]
+    assert producer.request_finished(req) == 192  # every whole prompt block
+    assert producer.num_tracked == 0
+
+
+def test_a_consumer_loads_and_never_stores_prompt_blocks(link):
+    prompt = list(range(1, 201))
+    store_prefix(link, prompt[:192])  # what a producer stored
+    consumer = SchedulerSide(link, BLOCK, role="kv_consumer")
+    req = request("c", prompt)
+    consumer.on_new_request(req)
+    assert consumer.matched_tokens(req, 0) == 192  # all but the block holding the last token
+    consumer.after_alloc(req, list(range(7)), 192)
+    meta = consumer.build_meta(step(new=[("c", list(range(7)), 192, 8)]))
+    assert [(load.start, len(load.tokens)) for load in meta.loads] == [(0, 192)] and meta.saves == []
+    fresh = request("f", list(range(500, 600)))  # nothing stored: computed, and still not stored
+    consumer.on_new_request(fresh)
+    assert consumer.matched_tokens(fresh, 0) == 0
+    assert consumer.build_meta(step(new=[("f", [8, 9, 10, 11], 0, 100)])).saves == []
+
+
+def test_an_unknown_role_is_refused_by_name(link):
+    with pytest.raises(ValueError, match="kv_role: must be one of kv_producer, kv_consumer, kv_both, got 'kv_prefill'"):
+        SchedulerSide(link, BLOCK, role="kv_prefill")
+
+
 def test_finished_aborted_and_preempted_requests_leave_nothing_behind(link):
     prompt = list(range(1, 129))
     store_prefix(link, prompt)
