@@ -161,3 +161,29 @@ def test_the_publishers_fast_encoding_is_the_events_encoding(tmp_path):
     assert encode_wire(1.0, records_to_wire(records), 0) == encode_batch(KVEventBatch(1.0, events, 0))
     assert decode_batch(encode_batch(KVEventBatch(1.0, events, 0))).events == events
     store.close()
+
+
+def test_a_shared_redis_tier_is_remote_storage_for_every_sidecar(tmp_path):
+    from tests.tiers.redis_helpers import REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path / "redis")
+    try:
+        stores = [open_store(tmp_path / name, disk_bytes=0, redis_url=server.url, redis_timeout_s=0.5)
+                  for name in ("a", "b")]
+        logs, views = [KVEventLog(), KVEventLog()], [KVEventView(), KVEventView()]
+        for store, log in zip(stores, logs):
+            store.attach_kv_events(log)
+        tokens = list(range(1, 9))
+        stores[0].store("m", tokens, kv(8))
+        stores[0].flush()
+        assert stores[1].fetch("m", tokens).matched_tokens == 8  # found in Redis, promoted to b's CPU tier
+        for store, log, view in zip(stores, logs, views):
+            view.apply(log.take(store))
+            assert view.held == store_picture(store)
+            assert {m: len(b) for m, b in view.held.items()} == {("CPU", "LOCAL"): 2, ("STORAGE", "REMOTE"): 2}
+        for store in stores:
+            store.close()
+    finally:
+        server.stop()
