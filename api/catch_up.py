@@ -2,7 +2,7 @@
 
 `duel`, the default policy, replays every page a request stores or reads through two shadow
 caches to learn which of its two rules to follow. That is most of what the policy costs a store
-(kvstore/policies.py, `DuelPolicy`), and none of it changes the answer. So the app holds it
+(kvstore/policies/duel.py, `DuelPolicy`), and none of it changes the answer. So the app holds it
 (`store.learn_later()` when the app is made, undone on cleanup) and replays it once an answer is
 written: `soon()` queues one `catch_up` behind the answers of the current loop pass, where it
 runs while the client reads its answer and sends the next request.

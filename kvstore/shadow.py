@@ -1,6 +1,6 @@
 """A shadow cache: a keys-only simulation of one eviction policy over a tier's reference stream.
 
-`DuelPolicy` (kvstore/policies.py) runs two of these side by side, one per candidate policy,
+`DuelPolicy` (kvstore/policies/duel.py) runs two of these side by side, one per candidate policy,
 to learn which of the two would hit more on the traffic the tier actually sees. A shadow holds
 no bytes and no tree of its own beyond what the policy needs to rank: one `ShadowPage` per key
 it holds, linked to the shadow page of its parent key, with the same fields the policies read

@@ -108,7 +108,7 @@ FILE_RULES = [
     ("kvstore/keys.py", "token hashing and tree match"),
     ("kvstore/index.py", "token hashing and tree match"),
     ("kvstore/placement.py", "placement and policy bookkeeping"),
-    ("kvstore/policies.py", "placement and policy bookkeeping"),
+    ("kvstore/policies/", "placement and policy bookkeeping"),
     ("kvstore/shadow.py", "placement and policy bookkeeping"),
     ("kvstore/store_state.py", "placement and policy bookkeeping"),
     ("kvstore/tier_stack.py", "placement and policy bookkeeping"),

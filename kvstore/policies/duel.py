@@ -107,20 +107,22 @@ class DuelPolicy(EvictionPolicy):
         if not in_sample(key, self.rate):
             return
         parent = node.parent
-        reference = (key, None if parent is None else parent.key, node.tail, node.last_access, self.tick)
+        parent_key = None if parent is None else parent.key
         pending = self.pending
         if pending is None:
-            self._replay(*reference)
+            self._replay(key, parent_key, node.tail, node.last_access, self.tick)
             return
         # What the shadows read of the node now: by `catch_up` it may have been touched again.
-        pending.append(reference)
+        pending.append((key, parent_key, node.tail, node.last_access, self.tick))
         if len(pending) >= self.MAX_PENDING:
             self.catch_up()
 
     def _replay(self, key: bytes, parent_key: bytes | None, tail: bool, last_access: int, tick: int) -> None:
-        capacity, keep = self._capacity, self._keep
-        scores = self.scores = [(score + reference(key, parent_key, tail, last_access, tick, capacity)) * keep
-                                for score, reference in zip(self.scores, self._references)]
+        capacity, keep, scores = self._capacity, self._keep, self.scores
+        i = 0
+        for reference in self._references:
+            scores[i] = (scores[i] + reference(key, parent_key, tail, last_access, tick, capacity)) * keep
+            i += 1
         # The highest score leads, the first on a tie. Every score decays on every reference, and
         # two distinct scores can round to one, so the leader is found again each time.
         self._leader = scores.index(max(scores))
