@@ -8,7 +8,8 @@ tool outputs, the user's question). Its prefill:
               the chunk takes here; a missed chunk is computed standalone (positions 0..n-1),
               stored with `store_chunk` for the next request, and moved into place the same way
     recompute decode/recompute.py: fresh KV for the fraction `ratio` of chunk tokens whose KV
-              deviates most, restoring the cross-chunk attention standalone KV lacks
+              deviates most (decode/blend_selection.py), restoring the cross-chunk attention
+              standalone KV lacks
     question  computed in full, attending to everything before it: the first token's logits
 
 Only the prefix goes back to the store under prefix keys. Blended chunk KV is not what a full
@@ -30,6 +31,7 @@ from typing import Sequence
 import torch
 
 from kvstore.decode.attention import AttentionContext
+from kvstore.decode.blend_selection import TokenSelection
 from kvstore.decode.model import LlamaModel
 from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 from kvstore.decode.recompute import selective_recompute
@@ -94,9 +96,10 @@ class ChunkReuse(PrefixReuse):
 
 def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]], question: list[int],
                   cache: PagedKVCache, table: BlockTable, reuse: ChunkReuse | None, *, ratio: float,
-                  store: bool = True) -> BlendOutcome:
+                  store: bool = True, selection: TokenSelection = TokenSelection()) -> BlendOutcome:
     """Prefill [prefix][chunks][question] into `table` (reserved for the whole sequence) and
-    return the last token's logits. `reuse` None: no store, every chunk computed standalone."""
+    return the last token's logits. `reuse` None: no store, every chunk computed standalone.
+    `selection`: which chunk tokens are recomputed (the deviation rule, or a control)."""
     if not question:
         raise ValueError("prompt_tokens: the question after the chunks must not be empty "
                          "(its last token gives the logits)")
@@ -131,7 +134,7 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
     chunk_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)  # (C,)
     ends = [start + sum(map(len, chunks[:i + 1])) for i in range(len(chunks))]
     prefix_ids = torch.tensor(prefix, dtype=torch.long, device=model.device)  # (start,)
-    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio, ends, prefix_ids)
+    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio, ends, prefix_ids, selection)
     logits = _run(model, question, offset, cache, table, logits=True)
     assert logits is not None
     return BlendOutcome(logits, reused, hits, recomputed, fetch_s, "; ".join(errors) or None)

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from kvstore.decode.attention import AttentionContext, paged_attention
+from kvstore.decode.blend_selection import TokenSelection
 from kvstore.decode.model import LlamaModel
 from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 
@@ -45,12 +46,14 @@ def recompute_sizes(num_tokens: int, ratio: float, num_layers: int) -> list[int]
 @torch.inference_mode()
 def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: PagedKVCache, table: BlockTable,
                         start: int, ratio: float, segment_ends: Sequence[int] = (),
-                        prefix_ids: torch.Tensor | None = None) -> int:
+                        prefix_ids: torch.Tensor | None = None,
+                        selection: TokenSelection = TokenSelection()) -> int:
     """Recompute the KV of tokens `input_ids` (T,) at positions start..start+T-1 (already in the
     cache, with every position before `start` exact: the tokens `prefix_ids` (start,)).
     `segment_ends` (the chunks' end positions) let a recomputed token's attention read only up
     to its segment's end instead of all T: a causal mask cannot skip work, a shorter key range
-    does. Returns how many tokens went through the last layer that ran attention."""
+    does. `selection` picks the tokens that go on at each narrowing layer (decode/blend_selection.py).
+    Returns how many tokens went through the last layer that ran attention."""
     T = input_ids.shape[0]
     sizes = recompute_sizes(T, ratio, len(model.layers))
     if T == 0 or sizes[0] == 0:
@@ -71,6 +74,7 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
     cos_p, sin_p = model.rotary.cos_sin(torch.arange(0, start, device=device), model.dtype)  # (start, 1, D) each
     x_p = model.embed_tokens(prefix_ids)  # (start, hidden)
     chosen = torch.arange(T, device=device)  # (C,) indices (into the T tokens) of the candidates
+    chunk_position, chunk_length = _chunk_positions(start, end, segment_ends, device)  # (T,) each
     x = model.embed_tokens(input_ids)  # (C, hidden)
     ran = 0
     for index, layer in enumerate(model.layers):
@@ -79,11 +83,12 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
         k_pool, v_pool = cache.layer(index)
         keep, last = sizes[index], index == len(model.layers) - 1
         if keep < chosen.shape[0] and not last:
-            # Deviation before overwriting: the tokens whose reused K/V were furthest off.
-            old_k, old_v = k_pool.index_select(0, slots[chosen]), v_pool.index_select(0, slots[chosen])  # (C, H, D)
-            deviation = ((k.float() - old_k.float()).square().sum((1, 2))
-                         + (v.float() - old_v.float()).square().sum((1, 2)))  # (C,)
-            top = deviation.topk(keep).indices.sort().values  # (keep,) back in position order
+            # Deviation before overwriting: the reused K/V is what the fresh K/V is compared to.
+            cached = ((k_pool.index_select(0, slots[chosen]), v_pool.index_select(0, slots[chosen]))
+                      if selection.needs_deviation else None)  # (C, H, D) each
+            top = selection.pick(keep, layer=index, fresh=(k, v), cached=cached,
+                                 chunk_position=chunk_position[chosen],
+                                 chunk_length=chunk_length[chosen])  # (keep,) in position order
         else:
             top = None
         k_pool.index_copy_(0, slots[chosen], k)  # every candidate's fresh K/V is kept, selected or not
@@ -105,6 +110,16 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         ran = chosen.shape[0]
     return ran
+
+
+def _chunk_positions(start: int, end: int, segment_ends: Sequence[int],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T,) each token's index in its chunk, and (T,) that chunk's length (`segment_ends` bound the chunks)."""
+    bounds = sorted({start, end} | {e for e in segment_ends if start < e < end})
+    spans = list(zip(bounds, bounds[1:]))
+    position = torch.cat([torch.arange(b - a, device=device) for a, b in spans])
+    length = torch.cat([torch.full((b - a,), b - a, device=device) for a, b in spans])
+    return position, length
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor, write_slots: torch.Tensor,

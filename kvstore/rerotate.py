@@ -3,6 +3,8 @@
 A chunk is stored as computed standalone at positions 0..n-1; placed at `start` in a new prompt
 its K must be rotated as if computed at start..start+n-1. RoPE rotations compose, so that is one
 more rotation by `start` (gpu/rope.py: the CUDA kernel on a GPU, its torch reference elsewhere).
+Attention sees only relative positions, so the moved KV is, to float rounding of the rotation
+angles, the chunk's KV prefilled alone at its new positions, at every layer (docs/cacheblend.md).
 This is exact only where the rotation depends on the position alone; `check_rerotatable` refuses
 the rest (dynamic NTK, YaRN, LongRoPE) with `Unsupported` rather than return wrong KV.
 It does not decide which chunks hit or what to recompute (the store and decode/blend.py do).

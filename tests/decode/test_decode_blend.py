@@ -1,6 +1,7 @@
 """CacheBlend in the decode loop: r = 1 is a full prefill, r = 0 is the stored chunks' KV laid end
 to end, chunks stored by one request are reused by another at other positions (in-process and
-through the sidecar), and what cannot be exact falls back to a full prefill."""
+through the sidecar), and what cannot be exact falls back to a full prefill. The selection rule
+and its controls recompute the same number of tokens, each picking what it says."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +12,13 @@ import pytest
 import torch
 
 from kvstore.decode import BackendWarning, generate, tiny_model
+from kvstore.decode.attention import AttentionContext
 from kvstore.decode.blend import ChunkReuse, blend_prefill
+from kvstore.decode.blend_selection import TokenSelection, deviation_score
 from kvstore.decode.cli import register
 from kvstore.decode.recompute import recompute_sizes
 from kvstore.decode.sidecar import InProcessSidecar
+from kvstore.rerotate import rerotate_into
 from kvstore import KVStore, StoreConfig
 
 ATOL = 1e-4  # float32
@@ -155,3 +159,80 @@ def test_cli_chunk_files_store_then_hit(tmp_path: Path, capsys: pytest.CaptureFi
         assert args.func(args) == 0
         out = capsys.readouterr()
         assert hits in out.err and len(out.out.strip().split(",")) == 2
+
+
+def blended(model, store, prefix, chunks, question, ratio: float, selection: TokenSelection):
+    cache = model.new_cache(256)
+    table = cache.new_table()
+    cache.reserve(table, len(prefix) + sum(map(len, chunks)) + len(question))
+    return blend_prefill(model, prefix, chunks, question, cache, table, ChunkReuse(model, store), ratio=ratio,
+                         selection=selection)
+
+
+def test_controls_recompute_as_many_tokens_as_the_rule_and_all_of_them_at_one(model, store):
+    prefix, chunks, question = ids(70, 5), [ids(71, 30), ids(72, 21), ids(73, 13)], ids(74, 3)
+    want = full_logits(model, prefix, chunks, question, 1)[0]
+    outcomes = {rule: blended(model, store, prefix, chunks, question, 0.15, TokenSelection(rule))
+                for rule in ("deviation", "random", "first")}
+    assert {o.recomputed_tokens for o in outcomes.values()} == {recompute_sizes(64, 0.15, 4)[-1]}
+    assert len({tuple(o.logits.tolist()) for o in outcomes.values()}) == 3  # different tokens, different KV
+    for rule in ("random", "first"):
+        full = blended(model, store, prefix, chunks, question, 1.0, TokenSelection(rule))
+        assert full.recomputed_tokens == 64 and (full.logits - want).abs().max() <= ATOL
+
+
+def test_first_rule_takes_the_same_opening_fraction_of_every_chunk():
+    position = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3])  # a chunk of 8 tokens, then one of 4
+    length = torch.tensor([8] * 8 + [4] * 4)
+    picked = TokenSelection("first").pick(6, layer=1, chunk_position=position, chunk_length=length)
+    assert picked.tolist() == [0, 1, 2, 3, 8, 9]
+
+
+def test_random_rule_is_seeded():
+    position, length = torch.arange(50), torch.full((50,), 50)
+    pick = lambda seed, layer: TokenSelection("random", seed=seed).pick(  # noqa: E731
+        10, layer=layer, chunk_position=position, chunk_length=length).tolist()
+    assert pick(0, 1) == pick(0, 1) and pick(0, 1) != pick(1, 1) and pick(0, 1) != pick(0, 2)
+    assert pick(0, 1) == sorted(set(pick(0, 1)))
+
+
+def test_per_head_deviation_keeps_one_loud_head_from_deciding():
+    gen = torch.Generator().manual_seed(0)
+    cached = torch.zeros(8, 2, 4)  # (C, H, D): 8 candidates, 2 KV heads
+    fresh = torch.zeros(8, 2, 4)
+    fresh[:, 0] = torch.rand(8, 4, generator=gen) * 10  # head 0: loud everywhere, nothing stands out
+    fresh[:, 1] = torch.rand(8, 4, generator=gen) * 0.01
+    fresh[5, 0] = 0.0
+    fresh[5, 1] = 0.3  # head 1: quiet, except token 5, far off the others there
+    pooled = deviation_score((fresh, fresh), (cached, cached))
+    per_head = deviation_score((fresh, fresh), (cached, cached), per_head=True)
+    assert int(per_head.argmax()) == 5 and int(pooled.argmax()) != 5
+    picked = TokenSelection("deviation", score="per_head").pick(
+        1, layer=1, fresh=(fresh, fresh), cached=(cached, cached), chunk_position=torch.arange(8),
+        chunk_length=torch.full((8,), 8))
+    assert picked.tolist() == [5]
+
+
+def test_selection_rules_are_checked():
+    with pytest.raises(ValueError, match="selection rule"):
+        TokenSelection("best")
+    with pytest.raises(ValueError, match="selection score"):
+        TokenSelection(score="cosine")
+
+
+def test_rerotated_chunk_is_the_chunk_prefilled_at_its_new_position(model):
+    chunk, position = ids(80, 40), 300
+    kv = {}
+    for start in (0, position):  # the chunk alone, at positions 0.. and at position..
+        cache = model.new_cache(position + 40)
+        table = cache.new_table()
+        cache.reserve(table, position + 40)
+        model(torch.tensor(chunk), torch.arange(start, start + 40), cache,
+              AttentionContext(write_slots=cache.slots(table, position, position + 40),
+                               read_slots=cache.slots(table, position, position + 40), causal=True))
+        table.num_tokens = position + 40
+        kv[start] = cache.gather(table, position, position + 40)  # (L, 2, 40, H, D)
+    moved = torch.empty_like(kv[0])
+    rerotate_into(moved, kv[0], model.spec, position)
+    assert (moved - kv[position]).abs().max() <= ATOL
+    assert (kv[0][:, 0] - kv[position][:, 0]).abs().max() > 0.1  # K does depend on where it was computed
