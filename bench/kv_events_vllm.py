@@ -1,0 +1,99 @@
+"""A real vLLM engine with kvstore as its connector and vLLM's KV events on: the connector's
+events reach vLLM's subscribers in vLLM's own stream, beside vLLM's GPU events.
+
+    python bench/kv_events_vllm.py [--model DIR] [--prompts 3] [--prompt-tokens 200]
+
+One engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the real model
+(`kvstore model pull smollm2`, or any checkpoint with --model), an in-process store (CPU tier),
+`--kv-events-config` publishing on an ipc:// endpoint; a SUB socket decodes every batch with
+vLLM's own `KVEventBatch` decoder, as vLLM's example subscriber does. Prints how many
+BlockStored events each medium had and whether every block the connector reported in the store
+("CPU") is one vLLM reported on the GPU under the same hash. (An engine start takes tens of
+seconds on a small CPU machine: this is not part of `make test`.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the pulled smollm2)")
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import msgspec
+    import zmq
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from vllm.inputs import TokensPrompt
+
+    model = args.model or str(Path.home() / ".cache/kvstore/models/smollm2")
+    block = 32  # the CPU attention backend takes multiples of 32
+    with tempfile.TemporaryDirectory() as tmp:
+        endpoint = f"ipc://{tmp}/kv-events"
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        store = {"data_dir": f"{tmp}/store", "cpu_bytes": "256MiB", "disk_bytes": 0, "page_size": block}
+        transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
+                                    kv_connector_module_path="kvstore.integrations.vllm",
+                                    kv_connector_extra_config=store)
+        events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
+        t0 = time.perf_counter()
+        llm = LLM(model, kv_transfer_config=transfer, kv_events_config=events_config, block_size=block,
+                  enforce_eager=True, max_model_len=2048, dtype="float32", enable_prefix_caching=True,
+                  skip_tokenizer_init=True, kv_cache_memory_bytes=256 << 20)
+        started_s = time.perf_counter() - t0
+        sub.connect(endpoint)
+        time.sleep(0.2)  # ZeroMQ's slow joiner
+        rng = random.Random(0)
+        params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
+        for _ in range(args.prompts):
+            prompt = [rng.randrange(100, 20000) for _ in range(args.prompt_tokens)]
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        stored: dict[str, set] = {}
+        removed: dict[str, int] = {}
+        batches = 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if not sub.poll(200):
+                if batches:
+                    break
+                continue
+            _, _, payload = sub.recv_multipart()
+            batches += 1
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    stored.setdefault(str(event.medium), set()).update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    removed[str(event.medium)] = removed.get(str(event.medium), 0) + len(event.block_hashes)
+        llm.llm_engine.engine_core.shutdown()
+        sub.close(linger=0)
+    store_blocks, gpu_blocks = stored.get("CPU", set()), stored.get("GPU", set())
+    result = {"engine_start_s": round(started_s, 1), "batches": batches,
+              "stored_blocks": {m: len(b) for m, b in stored.items()}, "removed_blocks": removed,
+              "store_blocks_seen_on_gpu": len(store_blocks & gpu_blocks),
+              "every_store_block_is_a_gpu_block": bool(store_blocks) and store_blocks <= gpu_blocks}
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0 if result["every_store_block_is_a_gpu_block"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
