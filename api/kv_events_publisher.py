@@ -28,8 +28,9 @@ from typing import Any
 import zmq
 
 from kvstore.config import check_int
-from kvstore.kv_event_recorder import Record, records_to_wire
-from kvstore.kv_events import encode_wire, now_s
+from kvstore.kv_event_packing import RecordPacker
+from kvstore.kv_event_recorder import Record
+from kvstore.kv_events import now_s
 
 log = logging.getLogger("kvstore.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -81,6 +82,7 @@ class KVEventsPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches or 1)
         self._seq = 0
         self._topic = config.topic.encode()
+        self._packer = RecordPacker()
         self._store: Any = None
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -166,25 +168,30 @@ class KVEventsPublisher:
         if self._behind and self._store is not None:
             self._seq += 1  # the dropped records' batch: a gap subscribers see
             self._store.resync_kv_events(self)
+        # What is queued now goes out, in full batches and one partial one; what the store
+        # queues meanwhile waits for the next round. (Draining until the queue is empty would
+        # send a batch of one or two events per store under load, and each send hands the
+        # interpreter to the store's threads and back.)
         limit = self.config.max_batch_events
         queue = self._queue
-        while queue:
-            records = []
-            while queue and len(records) < limit:
-                records.append(queue.popleft())
-            self._send(records_to_wire(records))
+        left = len(queue)
+        while left > 0:
+            records = [queue.popleft() for _ in range(min(left, limit))]
+            left -= len(records)
+            self._send(records)
             if self._queue is not queue:  # a resync replaced it: the rest is superseded
                 queue = self._queue
+                left = len(queue)
 
-    def _send(self, events: list) -> None:
+    def _send(self, records: list[Record]) -> None:
         seq = self._seq
         self._seq += 1
-        payload = encode_wire(now_s(), events, 0)
+        payload = self._packer.pack(now_s(), records, 0)
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         if self._replay is not None:
             self._buffer.append((seq, payload))
         self.published_batches += 1
-        self.published_events += len(events)
+        self.published_events += len(records)
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

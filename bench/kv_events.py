@@ -351,7 +351,8 @@ def run_cost(rounds: int, calls: int, data_dir: str) -> dict[str, Any]:
     return {"us": {k: v * 1e6 for k, v in best.items()},
             "store_on_over_off": best["store on"] / best["store off"],
             "fetch_on_over_off": best["fetch on"] / best["fetch off"],
-            "published_events": publisher.published_events, "dropped": publisher.dropped}
+            "published_events": publisher.published_events, "batches": publisher.published_batches,
+            "dropped": publisher.dropped}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cost: store {us['store off']:.1f} us off, {us['store on']:.1f} us on "
                   f"({cost['store_on_over_off']:.3f}x); fetch {us['fetch off']:.1f} us off, {us['fetch on']:.1f} us on "
                   f"({cost['fetch_on_over_off']:.3f}x); target <= 1.05x; "
-                  f"{cost['published_events']} events published, {cost['dropped']} dropped")
+                  f"{cost['published_events']} events in {cost['batches']} batches, {cost['dropped']} dropped")
             out["cost"] = cost
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

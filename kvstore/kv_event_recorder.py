@@ -25,8 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from kvstore.index import Node, PageIndex
-from kvstore.kv_events import (HASH_MASK, TIER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent,
-                               block_hash, token_list)
+from kvstore.kv_events import TIER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash, token_list
 from kvstore.registry import ModelRegistry
 
 STORED, REMOVED, CLEARED = 0, 1, 2
@@ -133,26 +132,3 @@ def record_to_event(record: Record) -> KVEvent:
         return BlockRemoved(block_hashes=[block_hash(record[1])], medium=medium, locality=locality)
     return AllBlocksCleared()
 
-
-def records_to_wire(records: list[Record]) -> list[dict[str, Any]]:
-    """`event_to_wire(record_to_event(r))` for each record, without the event objects: what the
-    publisher's thread runs on every event, so it takes as little of the process's time as it
-    can (the store's threads share the interpreter with it)."""
-    wire: list[dict[str, Any]] = []
-    media = TIER_MEDIA
-    for record in records:
-        kind = record[0]
-        if kind == STORED:
-            _, key, parent, tokens, tier, (extra, block_size) = record
-            medium, locality = media.get(tier, (tier.upper(), None))
-            wire.append({"type": "BlockStored", "block_hashes": [int.from_bytes(key, "big") & HASH_MASK],
-                         "parent_block_hash": None if parent is None else int.from_bytes(parent, "big") & HASH_MASK,
-                         "token_ids": token_list(tokens), "block_size": block_size, "lora_id": None,
-                         "medium": medium, "lora_name": None, "extra_keys": [extra], "locality": locality})
-        elif kind == REMOVED:
-            medium, locality = media.get(record[2], (record[2].upper(), None))
-            wire.append({"type": "BlockRemoved", "block_hashes": [int.from_bytes(record[1], "big") & HASH_MASK],
-                         "medium": medium, "locality": locality})
-        else:
-            wire.append({"type": "AllBlocksCleared"})
-    return wire

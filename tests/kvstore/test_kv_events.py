@@ -12,9 +12,10 @@ from kvstore.errors import InsufficientStorage, InvalidKV
 from kvstore.kv_event_log import KVEventLog
 from kvstore.kv_event_view import KVEventView
 from kvstore.keys import page_key, tokens_bytes
-from kvstore.kv_event_recorder import CLEARED, REMOVED, STORED, record_to_event, records_to_wire
+from kvstore.kv_event_packing import RecordPacker
+from kvstore.kv_event_recorder import CLEARED, REMOVED, STORED, record_to_event
 from kvstore.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash, decode_batch,
-                               encode_batch, encode_wire)
+                               encode_batch)
 
 
 def test_churn_of_ten_thousand_operations_is_exact_at_every_checkpoint(tmp_path):
@@ -158,7 +159,10 @@ def test_the_publishers_fast_encoding_is_the_events_encoding(tmp_path):
     records = log.take_records(store)
     assert {r[0] for r in records} == {STORED, REMOVED, CLEARED}
     events = [record_to_event(r) for r in records]
-    assert encode_wire(1.0, records_to_wire(records), 0) == encode_batch(KVEventBatch(1.0, events, 0))
+    packer = RecordPacker()
+    assert packer.pack(1.0, records, 0) == encode_batch(KVEventBatch(1.0, events, 0))
+    many = records * 7  # past 16 events: a longer array header
+    assert packer.pack(2.5, many, None) == encode_batch(KVEventBatch(2.5, [record_to_event(r) for r in many], None))
     assert decode_batch(encode_batch(KVEventBatch(1.0, events, 0))).events == events
     store.close()
 
