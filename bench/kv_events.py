@@ -352,7 +352,38 @@ def run_cost(rounds: int, calls: int, data_dir: str) -> dict[str, Any]:
             "store_on_over_off": best["store on"] / best["store off"],
             "fetch_on_over_off": best["fetch on"] / best["fetch off"],
             "published_events": publisher.published_events, "batches": publisher.published_batches,
-            "dropped": publisher.dropped}
+            "dropped": publisher.dropped, **event_costs(spec)}
+
+
+def event_costs(spec: ModelSpec, n: int = 20_000) -> dict[str, float]:
+    """What each part costs, alone: the store's report of one page (placement -> recorder -> a
+    sink's append) and the publisher's packing of one event (kvstore/kv_event_packing.py)."""
+    from kvstore.index import PageIndex
+    from kvstore.kv_event_packing import RecordPacker
+    from kvstore.kv_event_recorder import KVEventRecorder
+    from kvstore.registry import ModelRegistry
+
+    registry = ModelRegistry(None)
+    model, _ = registry.register("m", spec, None)
+    index = PageIndex()
+    node = index.insert(index.root(model.namespace, model.namespace), b"k" * 16, bytes(4 * spec.page_size))
+    node.ready = True
+    log = KVEventLog(max_records=4 * n)
+    recorder = KVEventRecorder(registry)
+    recorder.attach(log, index)
+    log.take_records()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        recorder.stored(node, "cpu")
+        recorder.removed(node, "cpu")
+    report_us = (time.perf_counter() - t0) / (2 * n) * 1e6
+    records = log.take_records()
+    packer = RecordPacker()
+    t0 = time.perf_counter()
+    for i in range(0, len(records), 1000):
+        packer.pack(0.0, records[i:i + 1000], 0)
+    pack_us = (time.perf_counter() - t0) / len(records) * 1e6
+    return {"report_us_per_event": report_us, "pack_us_per_event": pack_us}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cost: store {us['store off']:.1f} us off, {us['store on']:.1f} us on "
                   f"({cost['store_on_over_off']:.3f}x); fetch {us['fetch off']:.1f} us off, {us['fetch on']:.1f} us on "
                   f"({cost['fetch_on_over_off']:.3f}x); target <= 1.05x; "
-                  f"{cost['published_events']} events in {cost['batches']} batches, {cost['dropped']} dropped")
+                  f"{cost['published_events']} events in {cost['batches']} batches, {cost['dropped']} dropped; "
+                  f"alone: {cost['report_us_per_event']:.2f} us to report an event, "
+                  f"{cost['pack_us_per_event']:.2f} us to pack one")
             out["cost"] = cost
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
