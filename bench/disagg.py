@@ -1,0 +1,187 @@
+"""Disaggregated serving through the store, against one engine serving the same mix.
+
+    python bench/disagg.py [--long-tokens 1800] [--long-prompts 4] [--decoders 3] [--decode-tokens 48]
+                           [--json out.json]
+
+The model is SmolLM2-135M-Instruct (float32), served by vLLM's OpenAI server on its CPU build,
+each engine a process of its own (bench/vllm_server.py). Two deployments run one after the
+other, on the same requests:
+
+    one engine   vLLM alone, its own prefix cache on
+    disagg       `kvstore serve`, a kv_producer engine, a kv_consumer engine, `kvstore proxy`
+
+The mix: `--decoders` streaming chat requests with short prompts, each generating
+`--decode-tokens` tokens, and, once they are all decoding, `--long-prompts` long prompts
+(`--long-tokens` tokens of Python's own documentation and a question, each distinct), one
+after another, 16 tokens each. Reported per deployment:
+
+    decoders' time per output token, alone (before the long prompts) and while the long
+    prompts arrive: the stall a prefill causes the requests that are decoding, which is what
+    disaggregation exists to remove
+    the long prompts' TTFT (first streamed token) and total time
+
+On a machine whose engines share the same CPU cores, the prefill engine's compute still
+competes with the decode engine's, so the stall cannot vanish here; the figures show how much
+of it moves off the decode engine's step.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.vllm_server import EngineServer, free_port  # noqa: E402
+from kvstore.decode.model_pull import pull  # noqa: E402
+
+LONG_ANSWER_TOKENS = 16
+
+
+def long_prompts(model_dir: Path, count: int, tokens: int) -> list[list[dict[str, str]]]:
+    """`count` distinct system prompts of about `tokens` tokens of real text, and a question."""
+    import pydoc_data.topics
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    topics = sorted(pydoc_data.topics.topics.items(), key=lambda kv: -len(kv[1]))
+    text = "\n\n".join(body for _, body in topics)
+    ids = tokenizer.encode(text)
+    prompts = []
+    for i in range(count):
+        start = i * tokens
+        system = tokenizer.decode(ids[start:start + tokens])
+        prompts.append([{"role": "system", "content": system},
+                        {"role": "user", "content": "Summarise the first paragraph in one sentence."}])
+    return prompts
+
+
+def short_prompts(count: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"Write a long story about a lighthouse keeper number {i}."}]
+            for i in range(count)]
+
+
+async def stream(session: aiohttp.ClientSession, url: str, model: str, messages, max_tokens: int) -> dict[str, Any]:
+    """Arrival times of each streamed chunk (seconds since the request was sent)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    started = time.perf_counter()
+    times: list[float] = []
+    async with session.post(url + "/v1/chat/completions", json=body) as answer:
+        answer.raise_for_status()
+        async for line in answer.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                chunk = json.loads(line[len(b"data: "):])
+                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                    times.append(time.perf_counter())
+    return {"started": started, "times": times}
+
+
+async def run_mix(url: str, model: str, args: argparse.Namespace, longs, shorts) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await stream(session, url, model, short_prompts(1), 4)  # warm-up: the first batch's one-time costs
+        decoders = [asyncio.create_task(stream(session, url, model, m, args.decode_tokens)) for m in shorts]
+        await asyncio.sleep(args.alone_s)  # every decoder past its prefill, decoding alone
+        load_began = time.perf_counter()
+        long_results = []
+        for messages in longs:
+            long_results.append(await stream(session, url, model, messages, LONG_ANSWER_TOKENS))
+        load_ended = time.perf_counter()
+        decoded = await asyncio.gather(*decoders)
+    alone, loaded = [], []
+    for d in decoded:
+        for before, after in zip(d["times"], d["times"][1:]):
+            gap = after - before
+            (loaded if load_began <= after <= load_ended else alone if after < load_began else []).append(gap)
+    return {
+        "tpot_alone_ms": 1000 * statistics.mean(alone) if alone else None,
+        "tpot_under_prefill_ms": 1000 * statistics.mean(loaded) if loaded else None,
+        "decode_gaps_measured": [len(alone), len(loaded)],
+        "long_ttft_ms": [1000 * (r["times"][0] - r["started"]) for r in long_results if r["times"]],
+        "long_total_ms": [1000 * (r["times"][-1] - r["started"]) for r in long_results if r["times"]],
+    }
+
+
+def one_engine(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
+    engine = EngineServer(model, None, None, work / "single.log", max_model_len=args.long_tokens + 512).start()
+    try:
+        engine.wait_ready()
+        return asyncio.run(run_mix(engine.url, str(model), args, longs, shorts))
+    finally:
+        engine.kill()
+
+
+def disaggregated(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
+    sidecar_port = free_port()
+    sidecar = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(sidecar_port),
+                                "--cpu-bytes", "2GiB", "--disk-bytes", "0", "--log-level", "warning"])
+    store_url = f"http://127.0.0.1:{sidecar_port}"
+    length = args.long_tokens + 512
+    prefill = EngineServer(model, "kv_producer", store_url, work / "prefill.log", max_model_len=length).start()
+    decode = EngineServer(model, "kv_consumer", store_url, work / "decode.log", max_model_len=length).start()
+    proxy_port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill.url, "--decode",
+                              decode.url, "--port", str(proxy_port)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        return asyncio.run(run_mix(f"http://127.0.0.1:{proxy_port}", str(model), args, longs, shorts))
+    finally:
+        for process in (proxy, sidecar):
+            process.kill()
+        prefill.kill()
+        decode.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--long-tokens", type=int, default=1800)
+    parser.add_argument("--long-prompts", type=int, default=4)
+    parser.add_argument("--decoders", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--alone-s", type=float, default=4.0, help="decoders alone before the long prompts")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    for name in ("long_tokens", "long_prompts", "decoders", "decode_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    model = pull("smollm2")
+    longs = long_prompts(model, args.long_prompts, args.long_tokens)
+    shorts = short_prompts(args.decoders)
+    results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
+    with tempfile.TemporaryDirectory(prefix="kvstore-disagg-") as tmp, \
+            tqdm(total=2, desc="disagg", unit="deployment", file=sys.stderr) as bar:
+        for name, run in (("one engine", one_engine), ("disagg", disaggregated)):
+            results[name] = run(model, Path(tmp), args, longs, shorts)
+            bar.update()
+    print(f"{'deployment':<12} {'TPOT alone':>11} {'TPOT under prefill':>19} {'long TTFT (median)':>19} "
+          f"{'long total (median)':>20}")
+    for name in ("one engine", "disagg"):
+        r = results[name]
+
+        def ms(value: float | None) -> str:
+            return f"{value:.1f} ms" if value is not None else "-"
+
+        print(f"{name:<12} {ms(r['tpot_alone_ms']):>11} {ms(r['tpot_under_prefill_ms']):>19} "
+              f"{ms(statistics.median(r['long_ttft_ms'])):>19} {ms(statistics.median(r['long_total_ms'])):>20}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
