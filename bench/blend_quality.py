@@ -89,15 +89,15 @@ class Variant:
 
 
 def variants_for(ratios: Sequence[float], rules: Sequence[str], scores: Sequence[str] = ("pooled",),
-                 seed: int = 0) -> list[Variant]:
+                 seed: int = 0, first_share: float = TokenSelection.first_share) -> list[Variant]:
     """r = 0 and r = 1 do not depend on the rule: they run once, under the rule 'deviation'. Each
     deviation score past the first (the decode loop's) adds its own variants, named deviation-SCORE."""
     out = []
     for r in ratios:
         for rule in (rules if 0.0 < r < 1.0 else ["deviation"]):
             for i, score in enumerate(scores if rule == "deviation" and 0.0 < r < 1.0 else scores[:1]):
-                out.append(Variant(r, rule if i == 0 else f"{rule}-{score}", TokenSelection(rule, seed=seed,
-                                                                                            score=score)))
+                out.append(Variant(r, rule if i == 0 else f"{rule}-{score}",
+                                   TokenSelection(rule, seed=seed, score=score, first_share=first_share)))
     return out
 
 
@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", default=",".join(SELECTION_RULES))
     parser.add_argument("--scores", default="pooled",
                         help=f"deviation scores, the first the rule's (of {', '.join(DEVIATION_SCORES)})")
+    parser.add_argument("--first-share", type=float, default=TokenSelection.first_share,
+                        help="the deviation rule's share of each chunk's first tokens (0: deviation alone)")
     parser.add_argument("--needle-fraction", type=float, default=WorkloadConfig.needle_fraction)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--doc-tokens", default="200,600", help="each document's length in tokens: lo,hi")
@@ -414,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         for rule in rules:
             TokenSelection(rule)
         for score in scores:
-            TokenSelection(score=score)
+            TokenSelection(score=score, first_share=args.first_share)
         if not scores:
             raise ValueError("--scores: name at least one")
         if any(not 0.0 <= r <= 1.0 for r in ratios):
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     # After each prompt the figures so far are saved, marked partial: a long run stopped early keeps them.
     partial = lambda q: save({"model": args.model, "partial": True, "quality": q})  # noqa: E731
     with tqdm(total=steps, desc="blend", unit="step", file=sys.stderr) as bar:
-        variants = variants_for(ratios, rules, scores, args.seed)
+        variants = variants_for(ratios, rules, scores, args.seed, args.first_share)
         quality = evaluate_quality(model, prompts, ratios, rules, args.answer_tokens, args.seed, bar, variants,
                                    on_prompt=partial) if prompts else None
         ttft = measure_ttft(model, workload, lengths, args.ttft_ratio, args.ttft_repeats, not args.no_sidecar,

@@ -3,11 +3,13 @@
 At each layer that narrows the recompute (decode/recompute.py), `TokenSelection.pick` chooses
 `keep` of the current candidates:
 
-    deviation  the tokens whose fresh K/V differ most from the reused (standalone) K/V, by the
-               squared distance of K and V summed over heads (the rule decode/blend.py uses);
-               `score="per_head"` first divides each KV head's distances by that head's mean,
-               so that no head with large activations decides alone (measured no better on the
-               real model: docs/cacheblend.md)
+    deviation  half of `keep` to the first tokens of every chunk (the same fraction of each),
+               the other half to the tokens whose fresh K/V differ most from the reused
+               (standalone) K/V, by the squared distance of K and V summed over heads: the rule
+               decode/blend.py uses. `first_share` sets the half (0: deviation alone, the
+               CacheBlend paper's rule, which on the real model left needles lost that the
+               openings bring back: docs/cacheblend.md); `score="per_head"` divides each KV
+               head's distances by that head's mean first (measured no better)
     random     `keep` candidates drawn at random (seeded): a control
     first      the first tokens of every chunk, the same fraction of each: a control, since a
                standalone chunk's opening tokens are where it differs most from a full prefill
@@ -31,12 +33,15 @@ class TokenSelection:
     rule: str = "deviation"
     seed: int = 0  # the random control's draw
     score: str = "pooled"  # deviation: "pooled" (plain squared distance) or "per_head" (each head over its mean)
+    first_share: float = 0.5  # deviation: this share of `keep` goes to each chunk's first tokens, the rest by deviation
 
     def __post_init__(self) -> None:
         if self.rule not in SELECTION_RULES:
             raise ValueError(f"selection rule: must be one of {', '.join(SELECTION_RULES)}, got {self.rule!r}")
         if self.score not in DEVIATION_SCORES:
             raise ValueError(f"selection score: must be one of {', '.join(DEVIATION_SCORES)}, got {self.score!r}")
+        if not 0.0 <= self.first_share <= 1.0:
+            raise ValueError(f"selection first_share: must be in [0, 1], got {self.first_share!r}")
 
     @property
     def needs_deviation(self) -> bool:
@@ -52,6 +57,12 @@ class TokenSelection:
         if self.rule == "deviation":
             assert fresh is not None and cached is not None
             score = deviation_score(fresh, cached, per_head=self.score == "per_head")  # (C,)
+            first = int(keep * self.first_share)
+            if first:
+                assert chunk_position is not None and chunk_length is not None
+                opening = (-(chunk_position.float() / chunk_length.float())).topk(first).indices  # (first,)
+                score = score.clone()
+                score[opening] = float("inf")
         elif self.rule == "first":
             assert chunk_position is not None and chunk_length is not None
             score = -(chunk_position.float() / chunk_length.float())  # (C,) the same fraction of each chunk

@@ -13,7 +13,7 @@ from bench import blend_quality
 from bench.blend_workload import Workload, WorkloadConfig, needle_correct
 
 # Short documents, so a prompt costs a few seconds of prefill on a CPU.
-SMALL = ["--doc-tokens", "40,80", "--docs-per-prompt", "3,3", "--prompt-tokens", "150,320"]
+SMALL = ["--doc-tokens", "30,60", "--docs-per-prompt", "3,3", "--prompt-tokens", "120,260"]
 
 
 @pytest.fixture(scope="module")

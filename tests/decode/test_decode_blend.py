@@ -188,6 +188,19 @@ def test_first_rule_takes_the_same_opening_fraction_of_every_chunk():
     assert picked.tolist() == [0, 1, 2, 3, 8, 9]
 
 
+def test_deviation_rule_gives_half_its_budget_to_every_chunks_opening():
+    position = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3])  # a chunk of 8 tokens, then one of 4
+    length = torch.tensor([8] * 8 + [4] * 4)
+    k = torch.zeros(12, 1, 2)
+    fresh = k.clone()
+    fresh[[6, 7, 11], 0, 0] = torch.tensor([3.0, 2.0, 1.0])  # the tokens that deviate, late in their chunks
+    pick = lambda share, keep: TokenSelection("deviation", first_share=share).pick(  # noqa: E731
+        keep, layer=1, fresh=(fresh, fresh), cached=(k, k), chunk_position=position, chunk_length=length).tolist()
+    assert pick(0.5, 4) == [0, 6, 7, 8] and pick(0.0, 3) == [6, 7, 11] and pick(1.0, 2) == [0, 8]
+    with pytest.raises(ValueError, match="first_share"):
+        TokenSelection(first_share=1.5)
+
+
 def test_random_rule_is_seeded():
     position, length = torch.arange(50), torch.full((50,), 50)
     pick = lambda seed, layer: TokenSelection("random", seed=seed).pick(  # noqa: E731
