@@ -171,59 +171,45 @@ class MemorySubscriber:
 
 
 class ZmqSubscriber:
-    """The store's events through the sidecar's publisher and a real SUB socket."""
+    """The store's events through the sidecar's publisher and real ZeroMQ sockets, read as a
+    subscriber should: a SUB socket, and the ROUTER for what it missed (the batches sent before it
+    joined, a gap in the sequence numbers): kvstore.integrations.sidecar_events."""
 
     def __init__(self) -> None:
-        import zmq
-
         from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
-        from kvstore.kv_events import decode_batch
 
-        self._zmq, self._decode = zmq, decode_batch
         self._config = KVEventsPublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
                                                batch_interval_s=0.002)
         self._make = KVEventsPublisher
         self.publisher: Any = None
-        self.sub: Any = None
+        self.source: Any = None
         self.view = KVEventView()
-        self.next_seq = 0
-        self.gaps = 0
 
     def attach(self, store: KVStore) -> None:
-        zmq = self._zmq
+        from kvstore.integrations.sidecar_events import SidecarEventSource
+
         if self.publisher is not None:  # a restart: the old sidecar's publisher goes with it
             self.catch_up()
-            self.publisher.close()
-            self.sub.close(linger=0)
+            self.close()
         self.publisher = self._make(self._config)
-        self.sub = zmq.Context.instance().socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(self.publisher.endpoint)
-        time.sleep(0.05)  # a SUB socket joins a moment after connecting (ZeroMQ's slow joiner)
-        self.next_seq = 0
         self.publisher.start(store)
+        self.source = SidecarEventSource(self.publisher.endpoint, self.publisher.replay_endpoint)
 
     def catch_up(self, timeout_s: float = 30.0) -> None:
         """Apply everything the publisher has sent so far."""
         deadline = time.monotonic() + timeout_s
         while True:
-            sent = self.publisher.published_batches
-            while self.publisher.queued == 0 and self.next_seq >= self.publisher._seq:
+            self.view.apply(self.source.take())
+            if self.publisher.queued == 0 and (self.source.next_seq or 0) >= self.publisher._seq:
                 return
-            if self.sub.poll(50):
-                topic, seq_bytes, payload = self.sub.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big")
-                if seq != self.next_seq:
-                    self.gaps += 1
-                self.next_seq = seq + 1
-                self.view.apply(self._decode(payload).events)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"subscriber at seq {self.next_seq}, publisher sent {sent} batches")
+                raise TimeoutError(f"subscriber at seq {self.source.next_seq}, publisher at {self.publisher._seq}")
+            time.sleep(0.002)
 
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
-            self.sub.close(linger=0)
+            self.source.close()
 
 
 def run_exactness(ops: int, checkpoint_every: int, data_dir: str, seed: int = 0, zmq: bool = False,

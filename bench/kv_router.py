@@ -141,7 +141,7 @@ def demo(sidecars: int, documents: int, requests: int, seed: int) -> dict[str, A
                 stores.append(store)
                 publishers.append(publisher)
                 subs.append(sub)
-            time.sleep(0.1)  # ZeroMQ's slow joiner
+            time.sleep(0.3)  # ZeroMQ's slow joiner
             for store, publisher in zip(stores, publishers):
                 publisher.start(store)
             for d, doc in enumerate(docs):  # each document on one or two sidecars

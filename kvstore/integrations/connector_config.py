@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from kvstore import StoreConfig
 from kvstore.sizes import parse_bytes
 
-SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes")
+SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes", "kv_events_endpoint", "kv_events_replay_endpoint")
 COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s")
 STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreConfig))
 DEFAULT_PAGE_SIZE = 16  # the decode loop's (decode/loader.py): the same pages serve both
@@ -43,6 +43,10 @@ class ConnectorConfig:
     timeout_s: float = 5.0  # longest a step waits on the store; past it the tokens are recomputed
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per store page; must divide vLLM's block_size
     retry_after_s: float = 10.0  # after a failure, the store is left alone this long
+    # The sidecar's KV events (its --kv-events-endpoint / --kv-events-replay-endpoint), which
+    # take_events() turns into the engine's own when vLLM publishes KV events.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if (self.url is None) == (self.store is None):
@@ -63,6 +67,12 @@ class ConnectorConfig:
             raise ValueError(f"shared_memory_bytes: expected a byte count >= 0, got {self.shared_memory_bytes!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("token: expected a non-empty string")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "://" not in value):
+                raise ValueError(f"{name}: expected a ZeroMQ address like tcp://127.0.0.1:5557, got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint: replays need kv_events_endpoint too")
 
     def token_for(self, salt: str | None) -> str | None:
         return self.token if salt is None else dict(self.tokens).get(salt)
@@ -79,7 +89,7 @@ class ConnectorConfig:
         if "url" in extra and store_keys:
             raise ValueError(f"kv_connector_extra_config.{store_keys[0]}: a store setting, but url names a sidecar; "
                              f"configure that sidecar instead (kvstore serve)")
-        sidecar_only = sorted(set(extra) & {"token", "tokens", "shared_memory_bytes"})
+        sidecar_only = sorted(set(extra) & (set(SIDECAR_KEYS) - {"url"}))
         if "url" not in extra and sidecar_only:
             raise ValueError(f"kv_connector_extra_config.{sidecar_only[0]}: a sidecar setting; set url too")
         kwargs: dict[str, Any] = {}
@@ -90,6 +100,9 @@ class ConnectorConfig:
             if "url" in extra:
                 kwargs["url"], kwargs["token"] = extra["url"], extra.get("token")
                 kwargs["tokens"] = _salt_tokens(extra.get("tokens", {}))
+                for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+                    if name in extra:
+                        kwargs[name] = extra[name]
                 if "shared_memory_bytes" in extra:
                     kwargs["shared_memory_bytes"] = parse_bytes(extra["shared_memory_bytes"],
                                                                 field="shared_memory_bytes")

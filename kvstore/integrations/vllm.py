@@ -106,20 +106,25 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _scheduler_events(self, vllm_config: "VllmConfig") -> Any:
         """KV events of the store's copies of this engine's blocks, when vLLM publishes KV events
-        (`--kv-events-config`) and the store is this process's (a sidecar publishes its own)."""
+        (`--kv-events-config`): from this process's store, or from a sidecar's stream."""
         events_config = vllm_config.kv_events_config
         if events_config is None or not events_config.enable_kv_cache_events:
             return None
+        from kvstore.integrations.vllm_kv_events import ConnectorEvents, StoreEventSource
+
         store = self.link.in_process_store if self.link is not None else None
         if store is None and self._sidecar is not None:  # this process's store, served to the worker process
             store = getattr(self._sidecar, "_store", None)
-        if store is None:
-            log.info("KVStoreConnector: KV events of a sidecar's pages come from the sidecar's own stream "
+        if store is not None:
+            return ConnectorEvents(StoreEventSource(store), self.model, self.spec, self.block_size)
+        if self.config.kv_events_endpoint is None:
+            log.info("KVStoreConnector: no kv_events_endpoint for the sidecar's KV events "
                      "(kvstore serve --kv-events-endpoint); take_events reports none")
             return None
-        from kvstore.integrations.vllm_kv_events import ConnectorEvents
+        from kvstore.integrations.sidecar_events import SidecarEventSource
 
-        return ConnectorEvents(store, self.model, self.spec, self.block_size)
+        source = SidecarEventSource(self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint)
+        return ConnectorEvents(source, self.model, self.spec, self.block_size)
 
     def take_events(self):  # type: ignore[override]
         """vLLM's events for the store's copies of this engine's blocks (BlockStored with the

@@ -15,8 +15,9 @@ token ids, vLLM's block size) and `BlockRemoved` (it is not any more). A save th
 refused stores no page, so it reports nothing; a block the store already held is reported as
 soon as a request expects it.
 
-Only an in-process store reports to the connector; with a sidecar (`url`), routers subscribe to
-the sidecar's own stream (`kvstore serve --kv-events-endpoint`, docs/kv_events.md).
+The store's events come from this process's store (`StoreEventSource`) or, with a sidecar
+(`url`), from the sidecar's own stream (`kv_events_endpoint`: sidecar_events.py); there only
+requests without a cache_salt are reported, their tenant being the sidecar's default.
 """
 from __future__ import annotations
 
@@ -39,20 +40,39 @@ class _Block:
     announced: frozenset = frozenset()  # media a BlockStored was sent for
 
 
-class ConnectorEvents:
-    def __init__(self, store: Any, model: str, spec: Any, block_size: int):
-        self.store, self.model, self.spec, self.block_size = store, model, spec, block_size
-        self.pages_per_block = block_size // spec.page_size
+class StoreEventSource:
+    """The reports of this process's store, through an in-memory log."""
+
+    tenants_known = True  # in-process, a request's salt is its tenant
+
+    def __init__(self, store: Any):
+        self.store = store
         self.log = KVEventLog()
+        store.attach_kv_events(self.log)
+
+    def take(self) -> list[Any]:
+        return self.log.take(self.store)
+
+    def close(self) -> None:
+        self.store.detach_kv_events(self.log)
+
+
+class ConnectorEvents:
+    def __init__(self, source: Any, model: str, spec: Any, block_size: int):
+        """`source.take()` gives the store's events (StoreEventSource, or a sidecar's stream:
+        sidecar_events.py, where only unsalted requests' tenant is known)."""
+        self.source, self.model, self.spec, self.block_size = source, model, spec, block_size
+        self.tenants_known = getattr(source, "tenants_known", False)
         self._media: dict[int, set[Medium]] = {}  # store page (its block hash) -> media holding it
         self._blocks: dict[Any, _Block] = {}  # vLLM hash -> block
         self._block_of: dict[int, Any] = {}  # store page -> the vLLM hash of its block
         self._out: list[Any] = []
-        store.attach_kv_events(self.log)
 
     def expect(self, salt: str | None, tokens: Sequence[int], block_hashes: Sequence[Any]) -> None:
         """A request saves the blocks of `tokens` (whole blocks), hashed by vLLM as `block_hashes`."""
         self._apply_store_events()
+        if salt is not None and not self.tenants_known:
+            return  # a sidecar's tenant for this salt comes from its bearer token: its keys are unknown here
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         P, B = self.spec.page_size, self.block_size
@@ -80,11 +100,11 @@ class ConnectorEvents:
         return [_to_vllm(event) for event in out]
 
     def close(self) -> None:
-        self.store.detach_kv_events(self.log)
+        self.source.close()
 
     # -- from the store's pages to vLLM's blocks -------------------------------------------------
     def _apply_store_events(self) -> None:
-        for event in self.log.take(self.store):
+        for event in self.source.take():
             if isinstance(event, BlockStored):
                 touched = event.block_hashes
                 for page in touched:

@@ -36,7 +36,7 @@ def subscriber(endpoint: str) -> zmq.Socket:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
-    time.sleep(0.05)  # ZeroMQ's slow joiner: a SUB socket hears messages a moment after connecting
+    time.sleep(0.3)  # ZeroMQ's slow joiner: a SUB socket hears messages a moment after connecting
     return sub
 
 

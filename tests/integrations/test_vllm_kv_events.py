@@ -19,7 +19,8 @@ from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig  # noqa: E402
 from kvstore.integrations.connector_config import ConnectorConfig  # noqa: E402
 from kvstore.integrations.store_link import StoreLink  # noqa: E402
-from kvstore.integrations.vllm_kv_events import ConnectorEvents  # noqa: E402
+from kvstore.integrations.sidecar_events import SidecarEventSource  # noqa: E402
+from kvstore.integrations.vllm_kv_events import ConnectorEvents, StoreEventSource  # noqa: E402
 from kvstore.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
 from tests.integrations.test_vllm_scheduler import request, step  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
@@ -47,18 +48,19 @@ def connector(tmp_path):
     config = ConnectorConfig.from_extra_config({"data_dir": str(tmp_path), "cpu_bytes": 12 * PAGE_BYTES + 512,
                                                 "disk_bytes": "1MiB"})
     link = StoreLink(config, "m", SPEC)
-    events = ConnectorEvents(link.in_process_store, "m", SPEC, BLOCK)
+    events = ConnectorEvents(StoreEventSource(link.in_process_store), "m", SPEC, BLOCK)
     side = SchedulerSide(link, BLOCK, events)
     yield side, link, events
     events.close()
     link.close()
 
 
-def save_prompt(side: SchedulerSide, link: StoreLink, req_id: str, prompt: list[int], ok: bool = True) -> list[bytes]:
+def save_prompt(side: SchedulerSide, link: StoreLink, req_id: str, prompt: list[int], ok: bool = True,
+                salt: str | None = None) -> list[bytes]:
     """What vLLM does for a new request whose whole prompt is computed in one step: the scheduler
     plans the save, the worker stores the blocks (or fails to)."""
     hashes = vllm_hashes(prompt)
-    req = request(req_id, prompt, block_hashes=hashes)
+    req = request(req_id, prompt, salt, block_hashes=hashes)
     side.on_new_request(req)
     blocks = list(range(len(prompt) // BLOCK + 1))
     (save,) = side.build_meta(step(new=[(req_id, blocks, 0, len(prompt))])).saves
@@ -120,7 +122,7 @@ def subscribe(endpoint: str) -> zmq.Socket:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
-    time.sleep(0.05)  # ZeroMQ's slow joiner
+    time.sleep(0.3)  # ZeroMQ's slow joiner
     return sub
 
 
@@ -142,8 +144,13 @@ def test_the_connectors_events_go_out_through_vllms_own_publisher(connector):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(endpoint)
     publisher = vllm_events.ZmqEventPublisher(0, endpoint=endpoint)
-    time.sleep(0.1)  # ZeroMQ's slow joiner
     try:
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):  # until the connection is up (ZeroMQ drops what is sent before)
+            assert time.monotonic() < deadline
+            publisher.publish(vllm_events.KVEventBatch(ts=time.time(), events=[]))
+        while sub.poll(200):
+            sub.recv_multipart()
         # What vLLM's scheduler does each step: its own events, then the connector's, in one batch.
         publisher.publish(vllm_events.KVEventBatch(ts=time.time(), events=list(events.take())))
         (batch,) = receive_batches(sub, 2)
@@ -179,3 +186,32 @@ def test_vllms_decoder_reads_the_sidecars_stream(tmp_path):
     finally:
         publisher.close()
         store.close()
+
+
+def test_with_a_sidecar_the_connector_reads_the_sidecars_stream(tmp_path):
+    """The connector's events from a sidecar's ZeroMQ stream (kv_events_endpoint): the same
+    blocks, joined late (the sidecar's start-up picture comes from its replay buffer)."""
+    config = ConnectorConfig.from_extra_config({"data_dir": str(tmp_path), "cpu_bytes": "16MiB", "disk_bytes": 0})
+    link = StoreLink(config, "m", SPEC)
+    sidecar = KVEventsPublisher(KVEventsPublisherConfig(endpoint="tcp://127.0.0.1:*",
+                                                        replay_endpoint="tcp://127.0.0.1:*", batch_interval_s=0.005))
+    sidecar.start(link.in_process_store)  # the sidecar's publisher, on the store the link writes
+    source = SidecarEventSource(sidecar.endpoint, sidecar.replay_endpoint)
+    events = ConnectorEvents(source, "m", SPEC, BLOCK)
+    side = SchedulerSide(link, BLOCK, events)
+    try:
+        time.sleep(0.1)  # ZeroMQ's slow joiner
+        hashes = [maybe_convert_block_hash(h) for h in save_prompt(side, link, "a", list(range(1, 2 * BLOCK + 1)))]
+        save_prompt(side, link, "s", list(range(500, 500 + 2 * BLOCK + 1)), salt="tenant-salt")
+        got, deadline = [], time.monotonic() + 10
+        while len(got) < 2:
+            assert time.monotonic() < deadline, got
+            got += events.take()
+            time.sleep(0.02)
+        assert [(e.block_hashes, e.medium) for e in got] == [([h], "CPU") for h in hashes]
+        time.sleep(0.1)
+        assert events.take() == []  # the salted request's blocks: its tenant is the sidecar's secret
+    finally:
+        events.close()
+        sidecar.close()
+        link.close()
