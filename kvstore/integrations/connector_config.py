@@ -1,7 +1,8 @@
 """The connector's settings: `kv_connector_extra_config`, read into one frozen, validated dataclass.
 
     {"url": "http://127.0.0.1:8100", "token": "...", "tokens": {"<cache_salt>": "<token>"},
-     "shared_memory_bytes": "256MiB"}                                                          a sidecar
+     "shared_memory_bytes": "256MiB", "kv_events_endpoint": "tcp://127.0.0.1:5557",
+     "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}                                      a sidecar
     {"data_dir": "./kvstore-data", "cpu_bytes": "8GiB", "disk_bytes": "64GiB", ...}            in-process
 
 plus, in both, `model` (the store's model name), `timeout_s` and `page_size`. The in-process
