@@ -1,7 +1,7 @@
 """The sidecar's KV-event stream, on vLLM's ZeroMQ wire (`kvstore serve --kv-events-endpoint`).
 
-Framed exactly as vLLM's `ZmqEventPublisher` frames it, so its subscribers (vLLM's example
-subscriber, llm-d's indexer, Dynamo's router) read it unchanged:
+Framed exactly as vLLM's `ZmqEventPublisher` frames it, so its subscribers (vLLM's own
+decoder, llm-d's indexer, Dynamo's router) read it unchanged:
 
     PUB      (topic, 8-byte big-endian sequence number, msgpack KVEventBatch)
     ROUTER   a client sends (b"", 8-byte big-endian start sequence number); it gets back every

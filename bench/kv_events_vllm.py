@@ -6,7 +6,7 @@ events reach vLLM's subscribers in vLLM's own stream, beside vLLM's GPU events.
 One engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the real model
 (`kvstore model pull smollm2`, or any checkpoint with --model), an in-process store (CPU tier),
 `--kv-events-config` publishing on an ipc:// endpoint; a SUB socket decodes every batch with
-vLLM's own `KVEventBatch` decoder, as vLLM's example subscriber does. Prints how many
+vLLM's own `KVEventBatch` decoder (msgspec). Prints how many
 BlockStored events each medium had and whether every block the connector reported in the store
 ("CPU") is one vLLM reported on the GPU under the same hash. (An engine start takes tens of
 seconds on a small CPU machine: this is not part of `make test`.)
