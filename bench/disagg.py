@@ -72,14 +72,16 @@ def short_prompts(count: int) -> list[list[dict[str, str]]]:
             for i in range(count)]
 
 
-async def stream(session: aiohttp.ClientSession, url: str, model: str, messages, max_tokens: int) -> dict[str, Any]:
-    """Arrival times of each streamed chunk (seconds since the request was sent)."""
+async def stream(session: aiohttp.ClientSession, url: str, model: str, messages, max_tokens: int,
+                 times: list[float] | None = None) -> dict[str, Any]:
+    """Arrival times of each streamed chunk (perf_counter), filled into `times` as they come."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     started = time.perf_counter()
-    times: list[float] = []
+    times = [] if times is None else times
     async with session.post(url + "/v1/chat/completions", json=body) as answer:
-        answer.raise_for_status()
+        if answer.status != 200:
+            raise RuntimeError(f"{url}: {answer.status} {(await answer.text())[:500]}")
         async for line in answer.content:
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 chunk = json.loads(line[len(b"data: "):])
@@ -91,9 +93,13 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, messages,
 async def run_mix(url: str, model: str, args: argparse.Namespace, longs, shorts) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await stream(session, url, model, short_prompts(1), 4)  # warm-up: the first batch's one-time costs
-        decoders = [asyncio.create_task(stream(session, url, model, m, args.decode_tokens)) for m in shorts]
-        await asyncio.sleep(args.alone_s)  # every decoder past its prefill, decoding alone
+        await stream(session, url, model, short_prompts(1)[0], 4)  # warm-up: the first batch's one-time costs
+        arrivals: list[list[float]] = [[] for _ in shorts]
+        decoders = [asyncio.create_task(stream(session, url, model, m, args.decode_tokens, times))
+                    for m, times in zip(shorts, arrivals)]
+        while min(len(times) for times in arrivals) < 2:  # every decoder past its prefill
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(args.alone_s)  # decoding alone
         load_began = time.perf_counter()
         long_results = []
         for messages in longs:
@@ -152,7 +158,8 @@ def main() -> int:
     parser.add_argument("--long-prompts", type=int, default=4)
     parser.add_argument("--decoders", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=48)
-    parser.add_argument("--alone-s", type=float, default=4.0, help="decoders alone before the long prompts")
+    parser.add_argument("--alone-s", type=float, default=4.0,
+                        help="seconds of decoding alone, once every decoder is past its prefill")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     for name in ("long_tokens", "long_prompts", "decoders", "decode_tokens"):
