@@ -4,19 +4,15 @@ It can be killed and started again on the same port and data directory, as a cra
 restarted sidecar would be."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.vllm_server import free_port
 from kvstore import KVStoreClient
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["Sidecar", "free_port"]
 
 
 class Sidecar:
