@@ -296,7 +296,7 @@ def check(store: KVStore, subscriber: Any, churn: Churn, ops: int, lookups: int 
 
 
 # -- cost ----------------------------------------------------------------------------------------
-def run_cost(rounds: int, calls: int, data_dir: str) -> dict[str, Any]:
+def run_cost(rounds: int, calls: int, data_dir: str, batch_interval_s: float = 0.01) -> dict[str, Any]:
     """One-page store (each evicts) and fetch, events off vs on, alternating blocks in one run."""
     from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
 
@@ -304,7 +304,8 @@ def run_cost(rounds: int, calls: int, data_dir: str) -> dict[str, Any]:
     store = KVStore(StoreConfig(data_dir=data_dir, cpu_bytes=256 * spec.page_bytes, disk_bytes=0))
     store.register_model("m", spec)
     kv = torch.randn(spec.kv_shape(spec.page_size)).to(torch.float16)
-    publisher = KVEventsPublisher(KVEventsPublisherConfig(endpoint="tcp://127.0.0.1:*"))
+    publisher = KVEventsPublisher(KVEventsPublisherConfig(endpoint="tcp://127.0.0.1:*",
+                                                          batch_interval_s=batch_interval_s))
     seqs = iter(range(10 ** 9))
     hot = [[7, n] + list(range(100, 100 + spec.page_size - 2)) for n in range(64)]
     for tokens in hot:
@@ -396,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zmq", action="store_true", help="subscribe through the publisher's ZeroMQ sockets")
     parser.add_argument("--cost-rounds", type=int, default=5)
     parser.add_argument("--cost-calls", type=int, default=2000)
+    parser.add_argument("--batch-interval-s", type=float, default=0.01, help="the publisher's, in the cost run")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {}
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                             "exact": exact.exact,
                             "checkpoints": [c.__dict__ for c in exact.checkpoints]}
         if args.cost_rounds:
-            cost = run_cost(args.cost_rounds, args.cost_calls, str(Path(tmp) / "cost"))
+            cost = run_cost(args.cost_rounds, args.cost_calls, str(Path(tmp) / "cost"), args.batch_interval_s)
             us = cost["us"]
             print(f"cost: store {us['store off']:.1f} us off, {us['store on']:.1f} us on "
                   f"({cost['store_on_over_off']:.3f}x); fetch {us['fetch off']:.1f} us off, {us['fetch on']:.1f} us on "
