@@ -17,6 +17,7 @@ from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisher
 from kvstore.api.metrics import Metrics
 from kvstore.api.server import ServeError, kv_events_publisher
 from kvstore.cli import build_configs, build_parser
+from kvstore.integrations.sidecar_events import SidecarEventSource
 from kvstore.kv_event_view import KVEventView
 from kvstore.kv_events import AllBlocksCleared, decode_batch
 
@@ -40,7 +41,7 @@ def subscriber(endpoint: str) -> zmq.Socket:
     return sub
 
 
-def receive(sub: zmq.Socket, until, timeout_s: float = 10.0) -> list[tuple[bytes, int, bytes]]:
+def receive(sub: zmq.Socket, until, timeout_s: float = 20.0) -> list[tuple[bytes, int, bytes]]:
     got: list[tuple[bytes, int, bytes]] = []
     deadline = time.monotonic() + timeout_s
     while not until(got):
@@ -78,8 +79,7 @@ def test_frames_replay_and_a_late_subscriber(store):
         assert [seq for _, seq, _ in live] == list(range(len(live)))  # no gaps
         assert isinstance(decode_batch(live[0][2]).events[0], AllBlocksCleared)  # attach: the whole picture
         store_some(store, 3, first=10)
-        # A subscriber that joins now asks the ROUTER for everything from seq 0, then listens.
-        late = subscriber(publisher.endpoint)
+        # What a late subscriber asks the ROUTER for: everything from seq 0.
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.connect(publisher.replay_endpoint)
         dealer.send_multipart((b"", (0).to_bytes(8, "big")))
@@ -95,19 +95,20 @@ def test_frames_replay_and_a_late_subscriber(store):
         seqs = [seq for _, seq, _ in replayed]
         assert seqs[0] == 0 and seqs == list(range(len(seqs)))
         assert replayed[:len(live)] == live  # the very bytes sent live
-        view = KVEventView()
-        for _, _, payload in replayed:
-            view.apply(decode_batch(payload).events)
+        # A subscriber that joins now, as the connector runs one: replays from 0, then listens,
+        # replaying any gap; it ends with the store's picture.
+        source = SidecarEventSource(publisher.endpoint, publisher.replay_endpoint)
         store_some(store, 2, first=20)
-        after = receive(late, lambda got: any(seq > seqs[-1] for _, seq, _ in got))
-        for _, seq, payload in after:
-            if seq > seqs[-1]:
-                view.apply(decode_batch(payload).events)
-        receive(late, lambda got: publisher.queued == 0, timeout_s=5)
-        assert view.held == store_picture(store)
+        view, deadline = KVEventView(), time.monotonic() + 20
+        while True:
+            view.apply(source.take())
+            if publisher.queued == 0 and source.next_seq >= publisher._seq and view.held == store_picture(store):
+                break
+            assert time.monotonic() < deadline, (source.next_seq, publisher._seq)
+            time.sleep(0.01)
+        source.close()
         dealer.close(linger=0)
         early.close(linger=0)
-        late.close(linger=0)
     finally:
         publisher.close()
 
