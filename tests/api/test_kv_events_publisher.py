@@ -36,8 +36,23 @@ def store(tmp_path):
 def subscriber(endpoint: str) -> zmq.Socket:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    return connected(sub, endpoint)
+
+
+def connected(sub: zmq.Socket, endpoint: str, timeout_s: float = 20.0) -> zmq.Socket:
+    """`sub` connected to `endpoint` once ZeroMQ's handshake is done (then a moment for the
+    subscription to reach the publisher: a PUB drops what it sends before that)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sub.connect(endpoint)
-    time.sleep(0.3)  # ZeroMQ's slow joiner: a SUB socket hears messages a moment after connecting
+    try:
+        assert monitor.poll(int(timeout_s * 1000)), f"no ZeroMQ handshake with {endpoint}"
+        recv_monitor_message(monitor)
+    finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
+    time.sleep(0.05)
     return sub
 
 

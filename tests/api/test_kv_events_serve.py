@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from kvstore import KVStoreClient, ModelSpec
+from tests.api.test_kv_events_publisher import connected
 from kvstore.kv_event_view import KVEventView
 from kvstore.kv_events import AllBlocksCleared, BlockStored, decode_batch
 
@@ -45,8 +46,7 @@ def test_a_subscriber_of_kvstore_serve_sees_its_pages_and_replays(tmp_path):
         if not line:
             pytest.fail(f"kvstore serve did not start: {proc.stderr.read()}")
         assert f"kv events: tcp://127.0.0.1:{pub_port}, replay tcp://127.0.0.1:{replay_port}" in line
-        sub.connect(f"tcp://127.0.0.1:{pub_port}")
-        time.sleep(0.5)  # ZeroMQ's slow joiner
+        connected(sub, f"tcp://127.0.0.1:{pub_port}")
         spec = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4)
         tokens = list(range(50, 60))
         with KVStoreClient(f"http://127.0.0.1:{port}") as client:
