@@ -20,10 +20,13 @@ def pytest_configure(config):
     if worker is None or count is None or not hasattr(os, "sched_setaffinity"):
         return
     cpus = sorted(os.sched_getaffinity(0))
-    index, count = int(worker.removeprefix("gw")), int(count)
-    if len(cpus) < count:
-        return
+    # A worker that replaces a crashed one gets the next name (gw2 of 2): it takes the share of
+    # the slot it fills.
+    count = int(count)
+    index = int(worker.removeprefix("gw")) % count
     share = cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
+    if not share:  # more workers than CPUs: leave the scheduler to share them
+        return
     os.sched_setaffinity(0, share)
     torch.set_num_threads(len(share))  # torch sized its pool when it was imported, before this
     os.environ["OMP_NUM_THREADS"] = str(len(share))
