@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvstore.api.event_loop import EVENT_LOOPS
 from kvstore.config import check_int
+from kvstore.kv_events import check_endpoints
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -68,12 +69,7 @@ class ServerConfig:
             raise ValueError(f"event_loop: must be one of {', '.join(EVENT_LOOPS)}; got {self.event_loop!r}")
         check_int("max_connections", self.max_connections, 1, 1 << 20)
         check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 64 << 20)
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or "://" not in value):
-                raise ValueError(f"{name}: expected a ZeroMQ address like tcp://127.0.0.1:5557, got {value!r}")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise ValueError("kv_events_replay_endpoint: replays need kv_events_endpoint too")
+        check_endpoints(self.kv_events_endpoint, self.kv_events_replay_endpoint)
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic: expected a string, got {self.kv_events_topic!r}")
         check_int("kv_events_max_queue_records", self.kv_events_max_queue_records, 1, 1 << 26)

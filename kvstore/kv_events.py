@@ -48,6 +48,15 @@ BlockHash = Union[bytes, int]
 HASH_MASK = (1 << 64) - 1
 
 
+def check_endpoints(endpoint: object, replay_endpoint: object) -> None:
+    """The publisher's ZeroMQ addresses, as a config gives them. ValueError names the field."""
+    for name, value in (("kv_events_endpoint", endpoint), ("kv_events_replay_endpoint", replay_endpoint)):
+        if value is not None and (not isinstance(value, str) or "://" not in value):
+            raise ValueError(f"{name}: expected a ZeroMQ address like tcp://127.0.0.1:5557, got {value!r}")
+    if replay_endpoint is not None and endpoint is None:
+        raise ValueError("kv_events_replay_endpoint: replays need kv_events_endpoint too")
+
+
 def block_hash(page_key: bytes) -> int:
     """A page key as the 64-bit block hash routers index by: vLLM's own conversion of its block
     hashes (`maybe_convert_block_hash`, on by default), the key's last 8 bytes, big-endian."""

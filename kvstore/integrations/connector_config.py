@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvstore import StoreConfig
+from kvstore.kv_events import check_endpoints
 from kvstore.sizes import parse_bytes
 
 SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes", "kv_events_endpoint", "kv_events_replay_endpoint")
@@ -68,12 +69,7 @@ class ConnectorConfig:
             raise ValueError(f"shared_memory_bytes: expected a byte count >= 0, got {self.shared_memory_bytes!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("token: expected a non-empty string")
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or "://" not in value):
-                raise ValueError(f"{name}: expected a ZeroMQ address like tcp://127.0.0.1:5557, got {value!r}")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise ValueError("kv_events_replay_endpoint: replays need kv_events_endpoint too")
+        check_endpoints(self.kv_events_endpoint, self.kv_events_replay_endpoint)
 
     def token_for(self, salt: str | None) -> str | None:
         return self.token if salt is None else dict(self.tokens).get(salt)
