@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvstore.limits import MAX_TOKENS
 from kvstore.blend import blend_chunks
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.errors import InvalidModelSpec
@@ -40,7 +41,6 @@ from kvstore.store_stats import store_stats
 from kvstore.validation import (CPU, check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
                                 check_start_pos, token_bytes)
 
-MAX_TOKENS = 1 << 21  # per request; longer prompts are refused before any work
 
 
 class KVStore:
