@@ -44,7 +44,9 @@ class KVEventsPublisherConfig:
     max_queue_records: int = 100_000  # records waiting for the thread; past it they are dropped and counted
     replay_batches: int = 10_000  # batches kept for replay (vLLM's buffer_steps)
     max_batch_events: int = 1_000
-    batch_interval_s: float = 0.01
+    # A batch a tenth of a second: a router's picture lags that much, and the thread wakes seldom
+    # enough not to take the interpreter from the store's threads (docs/kv_events.md, Cost).
+    batch_interval_s: float = 0.1
     hwm: int = 100_000  # the PUB socket's high-water mark (messages)
 
     def __post_init__(self) -> None:

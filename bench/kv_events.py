@@ -296,7 +296,7 @@ def check(store: KVStore, subscriber: Any, churn: Churn, ops: int, lookups: int 
 
 
 # -- cost ----------------------------------------------------------------------------------------
-def run_cost(rounds: int, calls: int, data_dir: str, batch_interval_s: float = 0.01) -> dict[str, Any]:
+def run_cost(rounds: int, calls: int, data_dir: str, batch_interval_s: float = 0.1) -> dict[str, Any]:
     """One-page store (each evicts) and fetch, events off vs on, alternating blocks in one run."""
     from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
 
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zmq", action="store_true", help="subscribe through the publisher's ZeroMQ sockets")
     parser.add_argument("--cost-rounds", type=int, default=5)
     parser.add_argument("--cost-calls", type=int, default=2000)
-    parser.add_argument("--batch-interval-s", type=float, default=0.01, help="the publisher's, in the cost run")
+    parser.add_argument("--batch-interval-s", type=float, default=0.1, help="the publisher's, in the cost run")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {}
