@@ -61,6 +61,9 @@ bench: install
 	    --json bench/out/eviction.json --plot docs/eviction.png
 	$(PY) bench/ttft.py --json bench/out/ttft.json
 	$(PY) bench/blend_quality.py --json bench/out/blend_quality.json
+	$(PY) bench/vllm_ttft.py --json bench/out/vllm_ttft.json
+	$(PY) bench/disagg.py --json bench/out/disagg.json
+	$(PY) bench/kv_events.py --json bench/out/kv_events.json
 
 clean:
 	rm -rf $(VENV) kvstore-data .pytest_cache
