@@ -99,7 +99,7 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
             chosen, x, q, k, v = chosen[top], x[top], q[top], k[top], v[top]
         if index == 0:
             # Layer 0 computes every token: one causal pass from position 0, the flash kernel's fast
-            # path (queries starting past 0 need an explicit mask, ~1.5x the work). The prefix
+            # path (queries starting past 0 need an explicit mask, which costs more). The prefix
             # rides along as queries whose output is dropped; its K/V are rewritten unchanged.
             q_p, k_p, v_p = attn.qkv(layer.input_layernorm(x_p), cos_p, sin_p)  # (start, Hq|H, D)
             out = paged_attention(torch.cat([q_p, q]), torch.cat([k_p, k]), torch.cat([v_p, v]), k_pool, v_pool,

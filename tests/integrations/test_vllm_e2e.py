@@ -42,7 +42,7 @@ from kvstore.decode.loader import load_checkpoint  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 BLOCK = 32
-PREFIX = 640  # the issue's shared prefix: 20 whole blocks
+PREFIX = 640  # the prompts' shared prefix: 20 whole blocks
 TOKENS = {"tok-default": "default", "tok-alice": "alice", "tok-bob": "bob"}
 RUNNER = Path(__file__).with_name("run_vllm_engine.py")
 # 48 blocks of 32 tokens: room for one 700-token request and its decode, so three at once preempt.
