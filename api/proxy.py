@@ -142,13 +142,18 @@ class Proxy:
 
     async def _decode_once(self, request: web.Request, body: dict[str, Any],
                            headers: CIMultiDict[str]) -> web.StreamResponse:
+        return await self._from_decode_engines(request, next(self._decode), headers, json=body)
+
+    async def _from_decode_engines(self, request: web.Request, first: int, headers: CIMultiDict[str],
+                                   **send: Any) -> web.StreamResponse:
+        """The request's method and path on decode engines from the `first`-th on, each in turn
+        until one answers; that answer is relayed. 502 when none does."""
         assert self.session is not None
         urls = self.config.decode_urls
-        first = next(self._decode)
         for attempt in range(len(urls)):
             url = urls[(first + attempt) % len(urls)] + request.path
             try:
-                answer = await self.session.post(url, json=body, headers=headers)
+                answer = await self.session.request(request.method, url, headers=headers, **send)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 self.counts["decode_retries"] += 1
                 log.warning("decode engine %s is unreachable (%s)", url, exc or type(exc).__name__)
@@ -161,14 +166,7 @@ class Proxy:
     # -- what the proxy itself answers -------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        assert self.session is not None
-        for url in self.config.decode_urls:
-            try:
-                async with self.session.get(url + "/v1/models", headers=_forwarded(request.headers)) as answer:
-                    return await _relay(request, answer)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
-                continue
-        return _error(502, "no decode engine answered")
+        return await self._from_decode_engines(request, 0, _forwarded(request.headers))
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.counts})

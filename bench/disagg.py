@@ -176,12 +176,11 @@ def main() -> int:
             bar.update()
     print(f"{'deployment':<12} {'TPOT alone':>11} {'TPOT under prefill':>19} {'long TTFT (median)':>19} "
           f"{'long total (median)':>20}")
+    def ms(value: float | None) -> str:
+        return f"{value:.1f} ms" if value is not None else "-"
+
     for name in ("one engine", "disagg"):
         r = results[name]
-
-        def ms(value: float | None) -> str:
-            return f"{value:.1f} ms" if value is not None else "-"
-
         print(f"{name:<12} {ms(r['tpot_alone_ms']):>11} {ms(r['tpot_under_prefill_ms']):>19} "
               f"{ms(statistics.median(r['long_ttft_ms'])):>19} {ms(statistics.median(r['long_total_ms'])):>20}")
     if args.json:
