@@ -96,12 +96,13 @@ class KVStoreClient:
         codec.check_tenant(tenant)
         return self._call("DELETE", codec.model_path(model))["dropped_pages"]
 
-    def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None) -> LookupResult:
+    def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None,
+               salt: str | None = None) -> LookupResult:
         codec.check_tenant(tenant)
-        return codec.lookup_result(self._call("POST", "/v1/lookup", [codec.tokens_body(model, tokens)]))
+        return codec.lookup_result(self._call("POST", "/v1/lookup", [codec.tokens_body(model, tokens, salt=salt)]))
 
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-              device: str = "cpu") -> FetchResult:
+              salt: str | None = None, device: str = "cpu") -> FetchResult:
         codec.check_tenant(tenant)
         arena, per_token = self._shared_memory(), self._bytes_per_token.get(model)
         sized = per_token and isinstance(start, int) and hasattr(tokens, "__len__")
@@ -110,7 +111,7 @@ class KVStoreClient:
         if offset is not None:  # the answer is written into our shared memory (api/shared_memory.py)
             assert arena is not None
             try:
-                body = codec.tokens_body(model, tokens, start, shm=(offset, wanted))
+                body = codec.tokens_body(model, tokens, start, shm=(offset, wanted), salt=salt)
             except BaseException:
                 arena.release(offset, wanted)
                 raise
@@ -129,22 +130,24 @@ class KVStoreClient:
                                              f"asked for ({offset}, {wanted})")
                 raw = arena.adopt(offset, wanted, placed["nbytes"], lambda array: codec.kv_array(array, obj))
                 return self._fetch_result(model, obj, device, raw=raw)
-        answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start)])
+        answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start, salt=salt)])
         return self._fetch_result(model, answer, device)
 
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
-              tenant: str | None = None) -> StoreResult:
+              tenant: str | None = None, salt: str | None = None) -> StoreResult:
         codec.check_tenant(tenant)
-        return self._store("/v1/store", model, tokens, kv, start)
+        return self._store("/v1/store", model, tokens, kv, start, salt)
 
-    def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None) -> StoreResult:
+    def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None,
+                    salt: str | None = None) -> StoreResult:
         codec.check_tenant(tenant)
-        return self._store("/v1/chunks/store", model, tokens, kv, 0)
+        return self._store("/v1/chunks/store", model, tokens, kv, 0, salt)
 
     def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
-              tenant: str | None = None, device: str = "cpu") -> BlendResult:
+              tenant: str | None = None, salt: str | None = None, device: str = "cpu") -> BlendResult:
         codec.check_tenant(tenant)
-        return codec.blend_result(self._call("POST", "/v1/blend", [codec.blend_body(model, chunks, start_pos)]), device)
+        body = codec.blend_body(model, chunks, start_pos, salt)
+        return codec.blend_result(self._call("POST", "/v1/blend", [body]), device)
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/v1/stats")
@@ -169,7 +172,8 @@ class KVStoreClient:
 
     # ---- shared memory ----------------------------------------------------------------------
 
-    def _store(self, path: str, model: str, tokens: Sequence[int], kv: Any, start: int) -> StoreResult:
+    def _store(self, path: str, model: str, tokens: Sequence[int], kv: Any, start: int,
+               salt: str | None) -> StoreResult:
         arena = self._shared_memory()
         if arena is not None:
             raw, dtype = codec.kv_bytes(kv)
@@ -177,7 +181,7 @@ class KVStoreClient:
             if offset is not None:  # one copy into our shared memory; the sidecar copies it into its tier
                 try:
                     np.copyto(arena.view(offset, raw.nbytes), np.frombuffer(raw, dtype=np.uint8))
-                    body = codec.store_shm_body(model, tokens, dtype, start, (offset, raw.nbytes))
+                    body = codec.store_shm_body(model, tokens, dtype, start, (offset, raw.nbytes), salt)
                 except BaseException:
                     arena.release(offset, raw.nbytes)
                     raise
@@ -188,7 +192,7 @@ class KVStoreClient:
                 else:
                     arena.release(offset, raw.nbytes)
                     return codec.store_result(obj)
-        return codec.store_result(self._call("POST", path, codec.store_parts(model, tokens, kv, start)))
+        return codec.store_result(self._call("POST", path, codec.store_parts(model, tokens, kv, start, salt)))
 
     def _shared_memory_call(self, path: str, parts: codec.Parts, arena: ClientArena, offset: int, nbytes: int) -> Any:
         """POST a request naming the region [offset, offset + nbytes). If the sidecar answered
@@ -323,24 +327,26 @@ class AsyncKVStoreClient:
     async def drop_model(self, model: str, *, tenant: str | None = None) -> int:
         return await self._run(self._client.drop_model, model, tenant=tenant)
 
-    async def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None) -> LookupResult:
-        return await self._run(self._client.lookup, model, tokens, tenant=tenant)
+    async def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None,
+                     salt: str | None = None) -> LookupResult:
+        return await self._run(self._client.lookup, model, tokens, tenant=tenant, salt=salt)
 
     async def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-                    device: str = "cpu") -> FetchResult:
-        return await self._run(self._client.fetch, model, tokens, start=start, tenant=tenant, device=device)
+                    salt: str | None = None, device: str = "cpu") -> FetchResult:
+        return await self._run(self._client.fetch, model, tokens, start=start, tenant=tenant, salt=salt, device=device)
 
     async def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
-                    tenant: str | None = None) -> StoreResult:
-        return await self._run(self._client.store, model, tokens, kv, start=start, tenant=tenant)
+                    tenant: str | None = None, salt: str | None = None) -> StoreResult:
+        return await self._run(self._client.store, model, tokens, kv, start=start, tenant=tenant, salt=salt)
 
     async def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *,
-                          tenant: str | None = None) -> StoreResult:
-        return await self._run(self._client.store_chunk, model, tokens, kv, tenant=tenant)
+                          tenant: str | None = None, salt: str | None = None) -> StoreResult:
+        return await self._run(self._client.store_chunk, model, tokens, kv, tenant=tenant, salt=salt)
 
     async def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
-                    tenant: str | None = None, device: str = "cpu") -> BlendResult:
-        return await self._run(self._client.blend, model, chunks, start_pos=start_pos, tenant=tenant, device=device)
+                    tenant: str | None = None, salt: str | None = None, device: str = "cpu") -> BlendResult:
+        return await self._run(self._client.blend, model, chunks, start_pos=start_pos, tenant=tenant, salt=salt,
+                               device=device)
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._client.stats)

@@ -23,7 +23,7 @@ from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreErro
 from kvstore.keys import MAX_TOKEN_ID
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.limits import MAX_TOKENS
-from kvstore.validation import SMALL_TOKEN_LIST, token_bytes
+from kvstore.validation import SMALL_TOKEN_LIST, check_salt, token_bytes
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -79,8 +79,16 @@ def small_body(fields: dict[str, Any]) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def tokens_body(model: str, tokens: Any, start: int | None = None, shm: tuple[int, int] | None = None) -> bytes:
-    fields: dict[str, Any] = {"model": model, "tokens": tokens_bin(tokens)}
+def with_salt(fields: dict[str, Any], salt: str | None) -> dict[str, Any]:
+    """`fields` with the request's salt, checked here as the store would (no salt: no field)."""
+    if salt is not None:
+        fields["salt"] = check_salt(salt)
+    return fields
+
+
+def tokens_body(model: str, tokens: Any, start: int | None = None, shm: tuple[int, int] | None = None,
+                salt: str | None = None) -> bytes:
+    fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens)}, salt)
     if start:
         fields["start"] = start
     if shm is not None:  # (offset, nbytes) of the client's shared memory to answer into
@@ -88,10 +96,11 @@ def tokens_body(model: str, tokens: Any, start: int | None = None, shm: tuple[in
     return small_body(fields)
 
 
-def store_shm_body(model: str, tokens: Any, dtype: str, start: int, shm: tuple[int, int]) -> bytes:
+def store_shm_body(model: str, tokens: Any, dtype: str, start: int, shm: tuple[int, int],
+                   salt: str | None = None) -> bytes:
     """A store whose KV is already at `shm` = (offset, nbytes) of the client's shared memory."""
-    fields: dict[str, Any] = {"model": model, "tokens": tokens_bin(tokens), "dtype": dtype,
-                              "shm": {"offset": shm[0], "nbytes": shm[1]}}
+    fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens), "dtype": dtype,
+                                        "shm": {"offset": shm[0], "nbytes": shm[1]}}, salt)
     if start:
         fields["start"] = start
     return small_body(fields)
@@ -105,18 +114,18 @@ def bytes_per_token(obj: dict[str, Any]) -> int | None:
     return shape[0] * shape[1] * shape[3] * shape[4] * dtype_bytes
 
 
-def store_parts(model: str, tokens: Any, kv: Any, start: int = 0) -> Parts:
+def store_parts(model: str, tokens: Any, kv: Any, start: int = 0, salt: str | None = None) -> Parts:
     raw, dtype = kv_bytes(kv)
-    fields: dict[str, Any] = {"model": model, "tokens": tokens_bin(tokens), "dtype": dtype}
+    fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens), "dtype": dtype}, salt)
     if start:
         fields["start"] = start
     return [pack_map_prefix(fields, "kv", raw.nbytes), raw]
 
 
-def blend_body(model: str, chunks: Any, start_pos: int = 0) -> bytes:
+def blend_body(model: str, chunks: Any, start_pos: int = 0, salt: str | None = None) -> bytes:
     if isinstance(chunks, (str, bytes)) or not hasattr(chunks, "__len__"):
         raise InvalidTokens(f"chunks: expected a list of token lists, got {type(chunks).__name__}", field="chunks")
-    fields: dict[str, Any] = {"model": model, "chunks": [tokens_bin(c) for c in chunks]}
+    fields: dict[str, Any] = with_salt({"model": model, "chunks": [tokens_bin(c) for c in chunks]}, salt)
     if start_pos:
         fields["start_pos"] = start_pos
     return small_body(fields)

@@ -106,7 +106,7 @@ def lookup_inline(app: web.Application, req: wire.TokensRequest, tenant: str | N
     if kvstore.has_shared_tier:
         return None
     with kvstore.unless_busy() as free:
-        return fields_of(kvstore.lookup(req.model, req.tokens, tenant=tenant)) if free else None
+        return fields_of(kvstore.lookup(req.model, req.tokens, tenant=tenant, salt=req.salt)) if free else None
 
 
 def fetch_inline(app: web.Application, req: wire.TokensRequest, tenant: str | None,
@@ -122,7 +122,7 @@ def fetch_inline(app: web.Application, req: wire.TokensRequest, tenant: str | No
     with kvstore.unless_busy() as free:
         if not free:
             return None
-        plan = kvstore.plan_fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+        plan = kvstore.plan_fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt, into=into)
         if plan.needs_io or plan.nbytes > app[CONFIG].inline_copy_bytes:
             return plan
         result = plan.run()
@@ -192,11 +192,11 @@ def store_inline(app: web.Application, job: StoreJob) -> dict | None:
 
 
 def put_pages(req: wire.StoreRequest, tenant: str | None) -> PutKV:
-    return lambda kvstore, kv: kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant)
+    return lambda kvstore, kv: kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant, salt=req.salt)
 
 
 def put_chunk(req: wire.StoreRequest, tenant: str | None) -> PutKV:
-    return lambda kvstore, kv: kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant)
+    return lambda kvstore, kv: kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant, salt=req.salt)
 
 
 # ---- the data routes ---------------------------------------------------------------------------
@@ -206,7 +206,8 @@ async def lookup(request: web.Request) -> web.Response:
     kvstore, tenant = request.app[STORE], tenant_of(request)
     answer = lookup_inline(request.app, req, tenant)
     if answer is None:
-        answer = fields_of(await run_blocking(request, kvstore.lookup, req.model, req.tokens, tenant=tenant))
+        answer = fields_of(await run_blocking(request, kvstore.lookup, req.model, req.tokens, tenant=tenant,
+                                                    salt=req.salt))
     return wire.respond(request, answer)
 
 
@@ -236,7 +237,7 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 
 
 def _fetch_answer(kvstore: Any, req: wire.TokensRequest, tenant: str | None, into: Any) -> tuple[dict, Any]:
-    found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, into=into)
+    found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt, into=into)
     return wire.fetch_answer(found.matched_tokens, found.kv, req.shm, into)
 
 
@@ -250,7 +251,7 @@ async def blend(request: web.Request) -> web.StreamResponse:
     kvstore, tenant = request.app[STORE], tenant_of(request)
 
     def get() -> tuple[dict, object]:
-        result = kvstore.blend(req.model, req.chunks, start_pos=req.start_pos, tenant=tenant)
+        result = kvstore.blend(req.model, req.chunks, start_pos=req.start_pos, tenant=tenant, salt=req.salt)
         fields, raw = wire.kv_payload(result.kv)
         return {"hits": result.hits, "positions": [list(p) for p in result.positions], **fields}, raw
 

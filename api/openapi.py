@@ -30,6 +30,10 @@ _start = {**_int, "default": 0, "description": "first token the kv covers / to r
 _shm = {"type": "object", "required": ["offset", "nbytes"], "additionalProperties": False,
         "properties": {"offset": _int, "nbytes": _int},
         "description": "a region of the shared memory this connection registered (POST /v1/shm)"}
+# 256 characters are at most 1024 bytes of UTF-8 (MAX_SALT_BYTES): the store checks the bytes.
+_salt = {"type": "string", "minLength": 1, "maxLength": 256,
+         "description": "cache salt (vLLM's cache_salt): pages stored under a salt are found under that salt "
+                        "only, within the caller's tenant; absent: no salt"}
 
 SCHEMAS: dict[str, Any] = {
     "ModelSpec": {
@@ -41,7 +45,7 @@ SCHEMAS: dict[str, Any] = {
             "rope_style": {"enum": list(ROPE_STYLES)},
             "rope_scaling": {"type": ["object", "null"], "description": "HF-style rope_scaling"}}},
     "LookupRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
-                      "properties": {"model": _model, "tokens": _tokens}},
+                      "properties": {"model": _model, "tokens": _tokens, "salt": _salt}},
     "LookupResult": {"type": "object", "required": ["matched_tokens", "tiers"],
                      "properties": {"matched_tokens": _int,
                                     "tiers": {"type": "object", "additionalProperties": _int,
@@ -52,13 +56,13 @@ SCHEMAS: dict[str, Any] = {
                                     "kv": {**_kv, "description": _kv["description"] + "; covers tokens[start:]"},
                                     "shm": {**_shm, "description": "where kv's bytes are, instead of kv: "
                                                                    + _shm["description"]},
-                                    "start": _start,
+                                    "start": _start, "salt": _salt,
                                     "dtype": {"enum": list(DTYPE_BYTES),
                                               "description": "optional check of kv's dtype"}}},
     "StoreResult": {"type": "object", "required": ["stored_tokens", "new_pages"],
                     "properties": {"stored_tokens": _int, "new_pages": _int}},
     "FetchRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
-                     "properties": {"model": _model, "tokens": _tokens, "start": _start,
+                     "properties": {"model": _model, "tokens": _tokens, "start": _start, "salt": _salt,
                                     "shm": {**_shm, "description": "write the answer's kv here if it fits: "
                                                                    + _shm["description"]}}},
     "FetchResult": {"type": "object", "required": ["matched_tokens"],
@@ -77,10 +81,12 @@ SCHEMAS: dict[str, Any] = {
                                                 + "; the chunk computed standalone at positions 0..T-1"},
                                          "shm": {**_shm, "description": "where kv's bytes are, instead of kv: "
                                                                         + _shm["description"]},
+                                         "salt": _salt,
                                          "dtype": {"enum": list(DTYPE_BYTES),
                                                    "description": "optional check of kv's dtype"}}},
     "BlendRequest": {"type": "object", "required": ["model", "chunks"], "additionalProperties": False,
                      "properties": {"model": _model, "chunks": {"type": "array", "minItems": 1, "items": _tokens},
+                                    "salt": _salt,
                                     "start_pos": {**_int, "default": 0,
                                                   "description": "position of the first chunk's first token"}}},
     "BlendResult": {"type": "object", "required": ["hits", "positions", "kv"],

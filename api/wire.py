@@ -60,6 +60,7 @@ class TokensRequest:
     tokens: Any  # list[int] or a 1-D int32 ndarray viewing the body
     start: int = 0
     shm: tuple[int, int] | None = None  # (offset, nbytes) of the connection's shared memory (api/shared_memory.py)
+    salt: str | None = None  # pages under a salt are found under that salt only (checked by the store)
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class BlendRequest:
     model: str
     chunks: list[Any]  # per chunk: list[int] or a 1-D int32 ndarray viewing the body
     start_pos: int = 0
+    salt: str | None = None
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -174,19 +176,19 @@ def start(value: Any, num_tokens: int) -> int:
 
 
 def lookup_request(body: dict[str, Any]) -> TokensRequest:
-    check_fields(body, ("model", "tokens"))
-    return TokensRequest(model_name(body["model"]), tokens(body["tokens"]))
+    check_fields(body, ("model", "tokens"), ("salt",))
+    return TokensRequest(model_name(body["model"]), tokens(body["tokens"]), salt=body.get("salt"))
 
 
 def fetch_request(body: dict[str, Any]) -> TokensRequest:
-    check_fields(body, ("model", "tokens"), ("start", "shm"))
+    check_fields(body, ("model", "tokens"), ("start", "shm", "salt"))
     toks = tokens(body["tokens"])
     return TokensRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)),
-                         shm_region(body.get("shm")))
+                         shm_region(body.get("shm")), body.get("salt"))
 
 
 def store_request(body: dict[str, Any]) -> StoreRequest:
-    check_fields(body, ("model", "tokens"), ("kv", "shm", "start", "dtype"))
+    check_fields(body, ("model", "tokens"), ("kv", "shm", "start", "dtype", "salt"))
     toks = tokens(body["tokens"])
     region = shm_region(body.get("shm"))
     if ("kv" in body) == (region is not None):
@@ -197,11 +199,12 @@ def store_request(body: dict[str, Any]) -> StoreRequest:
     dtype = body.get("dtype")
     if dtype is not None and (not isinstance(dtype, str) or dtype not in TORCH_DTYPES):  # a list would not even hash
         raise InvalidKV(f"dtype: must be one of {', '.join(TORCH_DTYPES)}, got {_show(dtype)}", field="dtype")
-    return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), region, kv, dtype)
+    return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), region,
+                        body.get("salt"), kv, dtype)
 
 
 def chunk_store_request(body: dict[str, Any]) -> StoreRequest:
-    check_fields(body, ("model", "tokens"), ("kv", "shm", "dtype"))
+    check_fields(body, ("model", "tokens"), ("kv", "shm", "dtype", "salt"))
     return store_request(body)
 
 
@@ -229,7 +232,7 @@ def shm_registration(body: dict[str, Any]) -> Registration:
 
 
 def blend_request(body: dict[str, Any]) -> BlendRequest:
-    check_fields(body, ("model", "chunks"), ("start_pos",))
+    check_fields(body, ("model", "chunks"), ("start_pos", "salt"))
     chunks = body["chunks"]
     if not isinstance(chunks, list) or not chunks:
         raise InvalidTokens(f"chunks: expected a non-empty array of token arrays, got {_show(chunks)}", field="chunks")
@@ -244,7 +247,7 @@ def blend_request(body: dict[str, Any]) -> BlendRequest:
     if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= MAX_TOKEN_ID:
         raise InvalidStart(f"start_pos: expected an int in [0, {MAX_TOKEN_ID}], got {_show(start_pos)}",
                            field="start_pos")
-    return BlendRequest(model_name(body["model"]), parsed, start_pos)
+    return BlendRequest(model_name(body["model"]), parsed, start_pos, body.get("salt"))
 
 
 def model_spec(body: dict[str, Any]) -> ModelSpec:

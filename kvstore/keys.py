@@ -9,6 +9,12 @@ would be a miss, never wrong KV.
     key_{-1}   = namespace
     key_i      = H(key_{i-1} | int32-LE tokens of page i)      # full pages and the tail page
     chunk key  = H(namespace | "chunk" | int32-LE tokens)
+    salt root  = H(namespace | "salt" | salt)                 # a salted request's key_{-1}
+
+A salt (vLLM's `cache_salt`) splits one tenant's namespace into trees that share no page: a
+salted request's chain starts at its salt root instead of the namespace, so its pages' keys
+differ from every other salt's and from the unsalted ones, while the pages still belong to the
+tenant (quota, model, spec) whose namespace they hang under.
 """
 from __future__ import annotations
 
@@ -61,3 +67,11 @@ def prefix_keys(namespace: bytes, tokens: Sequence[int], page_size: int) -> list
 
 def chunk_key(namespace: bytes, tokens: Sequence[int]) -> bytes:
     return _digest(namespace, b"chunk", tokens_bytes(tokens))
+
+
+def salt_root(namespace: bytes, salt: str | None) -> bytes:
+    """The root key of `salt`'s pages in `namespace`; the namespace itself for no salt."""
+    if salt is None:
+        return namespace
+    salt_bytes = salt.encode()
+    return _digest(namespace, b"salt", len(salt_bytes).to_bytes(4, "little"), salt_bytes)

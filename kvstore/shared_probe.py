@@ -25,8 +25,9 @@ from kvstore.keys import page_key
 from kvstore.store_state import StoreState
 
 
-def probe_shared(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes) -> None:
-    """Add the pages of `tb` past the local match that the shared tier holds to the tree."""
+def probe_shared(state: StoreState, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes) -> None:
+    """Add the pages of `tb` past the local match that the shared tier holds to the tree whose
+    root is `root_key` (the model's `namespace`, or a salt's or chunk's root in it)."""
     shared = state.tiers.shared
     if shared is None or not shared.available:
         return
@@ -65,8 +66,8 @@ def probe_shared(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes)
         return
     with state.lock:
         parent = state.index.get(anchor) if full else state.index.roots.get(root_key)
-        if parent is None and not full and root_key in state.registry.specs_by_namespace:
-            parent = state.index.root(root_key)
+        if parent is None and not full and namespace in state.registry.specs_by_namespace:
+            parent = state.index.root(root_key, namespace)
         if parent is None or not parent.ready:
             return  # the anchor left meanwhile: the next request probes again
         clock = state.tick()

@@ -28,7 +28,7 @@ from kvstore.config import ModelSpec, StoreConfig
 from kvstore.errors import InvalidModelSpec
 from kvstore.fetch_plan import FetchPlan, plan_fetch
 from kvstore.index import TOKEN_BYTES
-from kvstore.keys import chunk_key
+from kvstore.keys import chunk_key, salt_root
 from kvstore.kv_event_recorder import KVEventRecorder, KVEventSink
 from kvstore.page_writes import store_pages
 from kvstore.rebuild import rebuild_index
@@ -39,7 +39,7 @@ from kvstore.shared_probe import probe_shared
 from kvstore.store_state import StoreState
 from kvstore.store_stats import store_stats
 from kvstore.validation import (CPU, check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
-                                check_start_pos, token_bytes)
+                                check_salt, check_start_pos, token_bytes)
 
 
 
@@ -160,15 +160,20 @@ class KVStore:
         return entry if entry is not None else self._registry.get(check_model_name(model), tenant)
 
     # -- lookup ----------------------------------------------------------------------------
-    def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None) -> LookupResult:
-        """How many leading tokens the store holds, and which tier would serve them."""
+    def lookup(self, model: str, tokens: Sequence[int], *, tenant: str | None = None,
+               salt: str | None = None) -> LookupResult:
+        """How many leading tokens the store holds, and which tier would serve them.
+
+        `salt` (every data call takes one): pages stored under a salt are found only under the
+        same salt, within the same tenant (kvstore/keys.py `salt_root`); None is no salt."""
         entry = self._model(model, tenant)
+        root_key = _root(entry, salt)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
-        probe_shared(self._state, entry.namespace, entry.spec, tb)
+        probe_shared(self._state, root_key, entry.namespace, entry.spec, tb)
         state = self._state
         with self._lock:
             state.drain_lost_copies()
-            match = self._index.match(entry.namespace, tb, entry.spec.page_size)
+            match = self._index.match(root_key, tb, entry.spec.page_size)
             tiers: dict[str, int] = {}
             done = 0
             for node in match.path:
@@ -184,53 +189,64 @@ class KVStore:
 
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-              device: str = "cpu", into: torch.Tensor | None = None) -> FetchResult:
+              salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None) -> FetchResult:
         """KV of the longest cached prefix: `kv` covers tokens[start:matched_tokens].
 
         `into`: a flat uint8 CPU tensor the answer is written into (then `kv` views its first
         bytes) when it is large enough; a fresh tensor otherwise. The sidecar passes a region of
         a client's shared memory here, an engine its own staging buffer."""
-        return self.plan_fetch(model, tokens, start=start, tenant=tenant, device=device, into=into).run()
+        return self.plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, device=device, into=into).run()
 
-    def _fetch(self, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
+    def _fetch(self, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
                count: bool = True, into: torch.Tensor | None = None) -> FetchResult:
-        probe_shared(self._state, root_key, spec, tb)
+        probe_shared(self._state, root_key, namespace, spec, tb)
         plan = plan_fetch(self._state, root_key, spec, tb, start, dev, count=count, into=into)
         assert plan is not None
         return plan.run()
 
+    def _fetch_head(self, namespace: bytes) -> Any:
+        """store_pages' read of the pages before `start`, in `namespace`'s trees."""
+        return lambda root_key, spec, tb, start, dev, count: self._fetch(root_key, namespace, spec, tb, start, dev,
+                                                                         count)
+
     # -- store -----------------------------------------------------------------------------
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
-              tenant: str | None = None) -> StoreResult:
+              tenant: str | None = None, salt: str | None = None) -> StoreResult:
         """Store KV for tokens[start:] (the store must already hold tokens[:start])."""
         entry = self._model(model, tenant)
+        root_key = _root(entry, salt)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         n_tokens = len(tb) // TOKEN_BYTES
         start = check_start(start, n_tokens)
         kv = check_kv(kv, entry.spec, n_tokens - start)
-        return store_pages(self._state, self._fetch, entry.namespace, entry.namespace, entry.spec, tb, kv, start)
+        return store_pages(self._state, self._fetch_head(entry.namespace), root_key, entry.namespace, entry.spec, tb,
+                           kv, start)
 
-    def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None) -> StoreResult:
+    def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None,
+                    salt: str | None = None) -> StoreResult:
         """Store a chunk's KV computed standalone at positions 0..n-1 (CacheBlend), under its
         position-independent chunk key: the chunk is a prefix tree of its own."""
         entry = self._model(model, tenant)
+        root_key = _root(entry, salt)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         kv = check_kv(kv, entry.spec, len(tb) // TOKEN_BYTES)
-        return store_pages(self._state, self._fetch, chunk_key(entry.namespace, tb), entry.namespace, entry.spec,
-                           tb, kv, 0)
+        return store_pages(self._state, self._fetch_head(entry.namespace), chunk_key(root_key, tb), entry.namespace,
+                           entry.spec, tb, kv, 0)
 
     def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
-              tenant: str | None = None, device: str = "cpu") -> BlendResult:
+              tenant: str | None = None, salt: str | None = None, device: str = "cpu") -> BlendResult:
         """The chunks' stored KV laid end to end from position `start_pos`, K re-rotated to those
         positions (CacheBlend). A chunk hits only if the store holds all of it; a missed chunk's
         KV is zeros, for the caller to compute (standalone) and `store_chunk`."""
         entry = self._model(model, tenant)
+        root_key = _root(entry, salt)
         check_rerotatable(entry.spec)  # before any work: never hand out KV at wrong positions
         tbs = check_chunks(chunks, max_tokens=MAX_TOKENS)
         start_pos = check_start_pos(start_pos)
         dev = check_device(device)
-        return blend_chunks(lambda key, spec, tb, dev: self._fetch(key, spec, tb, 0, dev), self.config,
-                            entry.namespace, entry.spec, tbs, start_pos, dev)
+        namespace = entry.namespace
+        return blend_chunks(lambda key, spec, tb, dev: self._fetch(key, namespace, spec, tb, 0, dev), self.config,
+                            root_key, entry.spec, tbs, start_pos, dev)
 
     # -- what the sidecar uses: the event loop never waits, a fetch is planned once ---------
     def unless_busy(self) -> "UnlessBusy":
@@ -272,7 +288,8 @@ class KVStore:
             return self._registry.register(model, spec, tenant)[1]
 
     def fetch_in_memory(self, model: str, tokens: Sequence[int], *, max_bytes: int, start: int = 0,
-                        tenant: str | None = None, into: torch.Tensor | None = None) -> FetchResult | None:
+                        tenant: str | None = None, salt: str | None = None,
+                        into: torch.Tensor | None = None) -> FetchResult | None:
         """`fetch` (to the CPU), done only if it waits on nothing and returns at most `max_bytes`:
         every page it would read is in a memory tier, no Redis probe is due and no other thread
         holds the store. None otherwise, with nothing done or counted. For a caller on an event
@@ -283,12 +300,12 @@ class KVStore:
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
         with self.unless_busy() as free:
-            plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, CPU, into=check_into(into, CPU),
+            plan = plan_fetch(self._state, _root(entry, salt), entry.spec, tb, start, CPU, into=check_into(into, CPU),
                               memory_only_max_bytes=max_bytes) if free else None
             return None if plan is None else plan.run()
 
     def plan_fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-                   device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
+                   salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
         """What `fetch` would read, matched and pinned (after a shared-tier probe, if there is
         one: I/O): `needs_io` says whether reading it waits on a record tier (disk, Redis),
         `nbytes` how much it answers. `run()` it once, on any thread, for the FetchResult, or
@@ -296,11 +313,12 @@ class KVStore:
         (inside `unless_busy`, without a shared tier) and runs a plan that needs I/O on a pool
         thread, so the prompt is matched once."""
         entry = self._model(model, tenant)
+        root_key = _root(entry, salt)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
         dev = _device(device)
-        probe_shared(self._state, entry.namespace, entry.spec, tb)  # returns at once without a shared tier
-        plan = plan_fetch(self._state, entry.namespace, entry.spec, tb, start, dev, into=check_into(into, dev))
+        probe_shared(self._state, root_key, entry.namespace, entry.spec, tb)  # returns at once without a shared tier
+        plan = plan_fetch(self._state, root_key, entry.spec, tb, start, dev, into=check_into(into, dev))
         assert plan is not None
         return plan
 
@@ -336,6 +354,11 @@ class UnlessBusy:
             state = self.state
             state.must_not_wait = self.outer
             state.lock.release()
+
+
+def _root(entry: Model, salt: str | None) -> bytes:
+    """Where `salt`'s pages of the model hang: its namespace, or its salt's root in it."""
+    return entry.namespace if salt is None else salt_root(entry.namespace, check_salt(salt))
 
 
 def _device(device: str) -> torch.device:

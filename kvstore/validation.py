@@ -18,6 +18,7 @@ from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidRequest, InvalidStart, InvalidTokens
 from kvstore.index import TOKEN_BYTES
+from kvstore.limits import MAX_SALT_BYTES
 from kvstore.keys import MAX_TOKEN_ID
 
 _INT32_LE = np.dtype("<i4")
@@ -35,6 +36,21 @@ def check_model_name(model: Any) -> str:
             f"model: expected 1-200 characters of letters, digits and ._:@+/- starting with a letter "
             f"or digit, got {model!r}", field="model")
     return model
+
+
+def check_salt(salt: Any) -> str | None:
+    """None (no salt) or a non-empty string of at most MAX_SALT_BYTES bytes of UTF-8."""
+    if salt is None:
+        return None
+    try:
+        size = len(salt.encode()) if isinstance(salt, str) else -1
+    except UnicodeEncodeError:  # a lone surrogate has no UTF-8: it could not name a key
+        size = -1
+    if not 0 < size <= MAX_SALT_BYTES:
+        shown = repr(salt[:40]) if isinstance(salt, str) else type(salt).__name__
+        raise InvalidRequest(f"salt: expected a non-empty string of at most {MAX_SALT_BYTES} bytes of UTF-8, "
+                             f"got {shown}", field="salt")
+    return salt
 
 
 def token_bytes(tokens: Any, *, max_tokens: int, field: str = "tokens") -> bytes:

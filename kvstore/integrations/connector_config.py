@@ -9,10 +9,11 @@ plus, in both, `model` (the store's model name), `timeout_s` and `page_size`. Th
 keys are `StoreConfig`'s fields, with the names and units of `kvstore serve` (sizes like "1GiB").
 An unknown key, or a sidecar key mixed with store keys, is an error that names it.
 
-Tenancy: a request's `cache_salt` is its kvstore tenant. In-process, the salt is passed as the
-tenant. A sidecar takes the tenant from the bearer token instead (api/auth.py), so a client
-cannot pick one per call: `tokens` maps each salt to a token that the sidecar's auth file maps
-to that salt's tenant, and a salted request whose salt has no token does not use the store.
+Tenancy and salts: a sidecar takes the tenant from the bearer token (api/auth.py): `token` for
+every request, or the token `tokens` names for a request's `cache_salt` (a salt that should
+count against a tenant of its own). In-process there is one tenant, the default. Within its
+tenant, a request's `cache_salt` is the store's salt: a salted request hits only what requests
+with the same salt stored, whatever the tokens.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class ConnectorConfig:
     """`url` set: talk to that sidecar; else `store` configures an in-process `KVStore`."""
 
     url: str | None = None
-    token: str | None = None  # bearer token of requests without a cache_salt
+    token: str | None = None  # bearer token of requests (a salt in `tokens` uses that one instead)
     tokens: tuple[tuple[str, str], ...] = ()  # (cache_salt, bearer token) pairs, sorted
     shared_memory_bytes: int | None = None  # the client's arena (None: 256 MiB on loopback, 0: off, TCP only)
     store: StoreConfig | None = None

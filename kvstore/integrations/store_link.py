@@ -12,7 +12,10 @@ and a worker-side connector, both sides must see the same pages, and one LMDB en
 cannot be opened twice by one process. It is closed (memory pages written to disk) when its
 last user releases it, or at exit.
 
-A sidecar takes the tenant from the bearer token, so there is one `KVStoreClient` per token.
+A request's `cache_salt` is passed to the store as its salt: its pages are found under that salt
+only, inside the tenant the link talks as (kvstore/keys.py `salt_root`). A sidecar takes the
+tenant from the bearer token, so there is one `KVStoreClient` per token; the token is the
+config's `token`, or the one `tokens` names for the salt.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any, Sequence
 
 from kvstore import KVStore, KVStoreClient, KVStoreError, ModelSpec, StoreConfig
 from kvstore.integrations.connector_config import ConnectorConfig
+from kvstore.validation import check_salt
 
 log = logging.getLogger("kvstore.vllm")
 WARN_EVERY_S = 10.0
@@ -88,17 +92,13 @@ class RateLimitedWarning:
 class StoreLink:
     """lookup / fetch / store of one model's pages on behalf of requests with a given salt."""
 
-    def __init__(self, config: ConnectorConfig, model: str, spec: ModelSpec, *, url: str | None = None,
-                 tenants_by_token: bool = True):
-        """With `url` (or `config.url`): that sidecar; else this process's store for `config.store`.
-        `tenants_by_token` False: a sidecar without auth (the connector's own, see vllm.py), where
-        salted requests cannot be kept apart and so do not use the store."""
+    def __init__(self, config: ConnectorConfig, model: str, spec: ModelSpec, *, url: str | None = None):
+        """With `url` (or `config.url`): that sidecar; else this process's store for `config.store`."""
         self.config, self.model, self.spec = config, model, spec
         self.url = url or config.url
         self._store: KVStore | None = shared_store(config.store) if self.url is None else None
-        self._tenants_by_token = tenants_by_token
         self._clients: dict[str, KVStoreClient] = {}  # bearer token ("" for none) -> client
-        self._registered: set[Any] = set()  # backends (and salts) the model is registered with
+        self._registered: set[int] = set()  # backends the model is registered with (by id)
         self._down_until = 0.0
         self._lock = threading.Lock()
         self.warning = RateLimitedWarning()
@@ -110,52 +110,48 @@ class StoreLink:
         return self._store
 
     # -- which backend serves a salt ----------------------------------------------------------
-    def _backend(self, salt: str | None) -> tuple[Any, str | None] | None:
-        """(backend, tenant argument) for requests with `salt`; None when they may not use the store."""
+    def _backend(self, salt: str | None) -> Any:
+        """The store, or the sidecar client whose bearer token requests with `salt` use."""
         if self._store is not None:
-            return self._store, salt
-        token = self.config.token_for(salt) if self._tenants_by_token else None
-        if salt is not None and token is None:
-            self.warning.warn("kvstore: requests with cache_salt %r do not use the store: a sidecar's tenant comes "
-                              "from the bearer token, and kv_connector_extra_config.tokens has none for this salt",
-                              salt)
-            return None
+            return self._store
+        token = self.config.token_for(salt)
         key = token or ""
         with self._lock:
             client = self._clients.get(key)
             if client is None:
                 client = self._clients[key] = KVStoreClient(self.url, token=token, timeout_s=self.config.timeout_s,
                                                             shared_memory_bytes=self.config.shared_memory_bytes)
-        return client, None
+        return client
 
     def usable(self, salt: str | None) -> bool:
-        """Whether requests with `salt` can use the store at all (without warning)."""
-        if self._store is not None or salt is None:
-            return True
-        return self._tenants_by_token and self.config.token_for(salt) is not None
+        """Whether requests with `salt` can use the store: a salt the store would refuse (over
+        MAX_SALT_BYTES) is computed by the engine alone, and does not count as a store failure."""
+        try:
+            check_salt(salt)
+        except KVStoreError as exc:
+            self.warning.warn("kvstore: a request's cache_salt is not used with the store (%s); it is computed", exc)
+            return False
+        return True
 
     def _call(self, what: str, salt: str | None, fn: Any) -> Any:
-        """`fn(backend, tenant)` after registering the model; None on any failure (then the store is
-        left alone for retry_after_s)."""
+        """`fn(backend)` after registering the model; None on any failure (then the store is left
+        alone for retry_after_s)."""
         if self._closed or time.monotonic() < self._down_until:
             return None
-        found = self._backend(salt)
-        if found is None:
-            return None
-        backend, tenant = found
-        key = (id(backend), tenant)
+        backend = self._backend(salt)
+        key = id(backend)
         try:
             if key not in self._registered:
-                backend.register_model(self.model, self.spec, tenant=tenant)
+                backend.register_model(self.model, self.spec)
                 self._registered.add(key)
             try:
-                return fn(backend, tenant)
+                return fn(backend)
             except KVStoreError as exc:
                 if exc.code != "model_not_found":
                     raise
                 # A sidecar restarted without its disk tier, or the model was dropped: register again.
-                backend.register_model(self.model, self.spec, tenant=tenant)
-                return fn(backend, tenant)
+                backend.register_model(self.model, self.spec)
+                return fn(backend)
         except Exception as exc:  # every failure is a miss: the engine recomputes
             self._down_until = time.monotonic() + self.config.retry_after_s
             self._registered.discard(key)
@@ -166,13 +162,13 @@ class StoreLink:
     # -- the three calls ----------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int], salt: str | None) -> int:
         """Leading tokens of `tokens` the store holds now (0 on failure)."""
-        result = self._call("lookup", salt, lambda b, t: b.lookup(self.model, tokens, tenant=t))
+        result = self._call("lookup", salt, lambda b: b.lookup(self.model, tokens, salt=salt))
         return 0 if result is None else int(result.matched_tokens)
 
     def fetch(self, tokens: Sequence[int], start: int, salt: str | None) -> tuple[int, Any]:
         """(matched tokens, kv (L, 2, matched - start, H, D)) of `tokens`; (0, None) on failure.
         Anything but KV of the spec's shape and dtype is a failure: it would be wrong tokens."""
-        result = self._call("fetch", salt, lambda b, t: b.fetch(self.model, tokens, start=start, tenant=t))
+        result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt))
         if result is None or result.matched_tokens <= start or result.kv is None:
             return 0, None
         matched = min(int(result.matched_tokens), len(tokens))
@@ -186,7 +182,7 @@ class StoreLink:
 
     def store(self, tokens: Sequence[int], kv: Any, start: int, salt: str | None) -> int | None:
         """Store KV of tokens[start:]; the tokens the store now holds of `tokens`, None on failure."""
-        result = self._call("store", salt, lambda b, t: b.store(self.model, tokens, kv, start=start, tenant=t))
+        result = self._call("store", salt, lambda b: b.store(self.model, tokens, kv, start=start, salt=salt))
         return None if result is None else int(result.stored_tokens)
 
     def close(self) -> None:

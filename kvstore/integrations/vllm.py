@@ -20,8 +20,10 @@ routes vLLM's calls to them and decides where the store is:
 - in-process, worker in its own process (vLLM's CPU backend always does this when
   multiprocessing is on): the scheduler side opens the store and serves it to its worker on a
   loopback port (kvstore.decode.sidecar; KV moves through shared memory). The worker learns the
-  URL from the first step's metadata. That sidecar has no tokens, so requests with a
-  cache_salt do not use the store there: use `kvstore serve` with an auth file for salts.
+  URL from the first step's metadata.
+
+A request's cache_salt keeps its pages apart in every case: it is the store's salt
+(store_link.py), never shared with another salt or with unsalted requests.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sidecar = InProcessSidecar(self.config.store)
         self._store_url = self._sidecar.__enter__()
         log.info("KVStoreConnector: serving the in-process store to the worker process at %s", self._store_url)
-        return StoreLink(self.config, self.model, self.spec, url=self._store_url, tenants_by_token=False)
+        return StoreLink(self.config, self.model, self.spec, url=self._store_url)
 
     def _scheduler_events(self, vllm_config: "VllmConfig") -> Any:
         """KV events of the store's copies of this engine's blocks, when vLLM publishes KV events
@@ -187,8 +189,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
         if self.link is None:  # an in-process store: the scheduler's, here or behind its loopback sidecar
-            self.link = StoreLink(self.config, self.model, self.spec, url=meta.store_url,
-                                  tenants_by_token=meta.store_url is None)
+            self.link = StoreLink(self.config, self.model, self.spec, url=meta.store_url)
             self.worker.link = self.link
         return meta.step
 

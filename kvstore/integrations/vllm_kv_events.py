@@ -16,15 +16,17 @@ refused stores no page, so it reports nothing; a block the store already held is
 soon as a request expects it.
 
 The store's events come from this process's store (`StoreEventSource`) or, with a sidecar
-(`url`), from the sidecar's own stream (`kv_events_endpoint`: sidecar_events.py); there only
-requests without a cache_salt are reported, their tenant being the sidecar's default.
+(`url`), from the sidecar's own stream (`kv_events_endpoint`: sidecar_events.py). The store's
+page keys are computed here from the request's tokens and salt in the default tenant (the only
+one in-process; a sidecar's without an auth file): a sidecar tenant named by a bearer token has
+keys this side cannot compute, and its blocks are not reported.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvstore.keys import namespace_key, page_key, tokens_bytes
+from kvstore.keys import namespace_key, page_key, salt_root, tokens_bytes
 from kvstore.kv_event_log import KVEventLog
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hash
 
@@ -43,8 +45,6 @@ class _Block:
 class StoreEventSource:
     """The reports of this process's store, through an in-memory log."""
 
-    tenants_known = True  # in-process, a request's salt is its tenant
-
     def __init__(self, store: Any):
         self.store = store
         self.log = KVEventLog()
@@ -60,9 +60,9 @@ class StoreEventSource:
 class ConnectorEvents:
     def __init__(self, source: Any, model: str, spec: Any, block_size: int):
         """`source.take()` gives the store's events (StoreEventSource, or a sidecar's stream:
-        sidecar_events.py, where only unsalted requests' tenant is known)."""
+        sidecar_events.py)."""
         self.source, self.model, self.spec, self.block_size = source, model, spec, block_size
-        self.tenants_known = getattr(source, "tenants_known", False)
+        self._root = namespace_key(model, spec.fingerprint)  # the default tenant's
         self._media: dict[int, set[Medium]] = {}  # store page (its block hash) -> media holding it
         self._blocks: dict[Any, _Block] = {}  # vLLM hash -> block
         self._block_of: dict[int, Any] = {}  # store page -> the vLLM hash of its block
@@ -71,12 +71,10 @@ class ConnectorEvents:
     def expect(self, salt: str | None, tokens: Sequence[int], block_hashes: Sequence[Any]) -> None:
         """A request saves the blocks of `tokens` (whole blocks), hashed by vLLM as `block_hashes`."""
         self._apply_store_events()
-        if salt is not None and not self.tenants_known:
-            return  # a sidecar's tenant for this salt comes from its bearer token: its keys are unknown here
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         P, B = self.spec.page_size, self.block_size
-        parent_key = namespace_key(self.model, self.spec.fingerprint, salt)
+        parent_key = salt_root(self._root, salt)
         parent = None
         for i, raw in enumerate(block_hashes[:len(tokens) // B]):
             pages = []

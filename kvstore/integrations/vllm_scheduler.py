@@ -88,8 +88,9 @@ class SchedulerSide:
                 and getattr(request, "lora_request", None) is None and getattr(request, "prompt_embeds", None) is None)
 
     def on_new_request(self, request: Any) -> None:
-        if self.usable(request) and self.link.usable(request.cache_salt):
-            self._requests[request.request_id] = _Tracked(request.cache_salt, list(request.prompt_token_ids),
+        salt = request.cache_salt or None  # vLLM hashes an empty salt as none
+        if self.usable(request) and self.link.usable(salt):
+            self._requests[request.request_id] = _Tracked(salt, list(request.prompt_token_ids),
                                                           request=request if self.events is not None else None)
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:

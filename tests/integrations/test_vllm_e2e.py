@@ -8,8 +8,8 @@ store. Fresh engines run as new processes (run_vllm_engine.py), vLLM's prefix ca
 empty, as a restarted server's would be.
 
 "Identical to a run without the connector" is checked against a full prefill of the same prompt
-by the same engine under a cache_salt the store never serves (a salt with no token), which is
-vLLM computing every token itself.
+by the same engine under a cache_salt longer than the store takes (MAX_SALT_BYTES): the connector
+leaves such a request to vLLM alone, so that is vLLM computing every token itself.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from kvstore import KVStore, KVStoreClient, StoreConfig  # noqa: E402
 from kvstore.decode.attention import AttentionContext  # noqa: E402
 from kvstore.decode.engine import generate  # noqa: E402
 from kvstore.decode.loader import load_checkpoint  # noqa: E402
+from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -109,12 +110,12 @@ def run(llm: LLM, prompts: list[list[int]], *, salt: str | None = None,
     return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs]
 
 
-_fresh = iter(range(1_000_000))
+UNSERVED_SALT = "unserved-" + "x" * MAX_SALT_BYTES  # too long for the store: never loaded nor stored
 
 
 def recomputed(llm: LLM, prompt: list[int], max_tokens: int = 8) -> list[int]:
-    """The tokens of a full prefill: a salt with no token never touches the store."""
-    tokens, cached = run(llm, [prompt], salt=f"never-stored-{next(_fresh)}", max_tokens=max_tokens)[0]
+    """The tokens of a full prefill: the store is never asked for an unserved salt."""
+    tokens, cached = run(llm, [prompt], salt=UNSERVED_SALT, max_tokens=max_tokens)[0]
     assert cached == 0
     return tokens
 
@@ -228,7 +229,8 @@ def test_two_cache_salts_never_share_and_the_same_salt_does(llm, sidecar):
     assert run(llm, [prompt])[0] == (expected, 0)  # no salt: the default tenant, which has none of it
     assert run(llm, [prompt], salt="alice")[0] == (expected, 480)
     with KVStoreClient(sidecar.url, token="tok-bob") as bob:
-        assert bob.lookup("gqa", prompt).matched_tokens == 480  # bob's own copy: his whole blocks
+        assert bob.lookup("gqa", prompt, salt="bob").matched_tokens == 480  # bob's own copy: his whole blocks
+        assert bob.lookup("gqa", prompt).matched_tokens == 0  # in bob's tenant, under the salt only
 
 
 # -- chunked prefill and preemption ------------------------------------------------------------
@@ -244,9 +246,9 @@ def test_chunked_prefill_stores_every_chunk_and_loads_across_chunks(llm, client)
 
 def test_preempted_requests_store_and_load_correctly(llm):
     prompts = [prompt_tokens(10 + i, 600) for i in range(3)]
-    # The same batch under a salt the store never serves: the same preemptions, recomputed by
+    # The same batch under the unserved salt: the same preemptions, recomputed by
     # vLLM. (Not each prompt alone: a batch's bf16 numerics differ from a lone request's.)
-    expected = [tokens for tokens, _ in run(llm, prompts, salt="never-stored-batch", max_tokens=200)]
+    expected = [tokens for tokens, _ in run(llm, prompts, salt=UNSERVED_SALT, max_tokens=200)]
     stats = get_kv_transfer_group().worker.stats
     loaded_before = stats["loaded_tokens"]
     got = run(llm, prompts, max_tokens=200)  # three at once need 75 blocks of 48: some are preempted

@@ -202,15 +202,16 @@ def test_with_a_sidecar_the_connector_reads_the_sidecars_stream(tmp_path):
     try:
         time.sleep(0.1)  # ZeroMQ's slow joiner
         hashes = [maybe_convert_block_hash(h) for h in save_prompt(side, link, "a", list(range(1, 2 * BLOCK + 1)))]
-        save_prompt(side, link, "s", list(range(500, 500 + 2 * BLOCK + 1)), salt="tenant-salt")
+        salted = [maybe_convert_block_hash(h)
+                  for h in save_prompt(side, link, "s", list(range(500, 500 + 2 * BLOCK + 1)), salt="conv-1")]
         got, deadline = [], time.monotonic() + 10
-        while len(got) < 2:
+        while len(got) < 4:
             assert time.monotonic() < deadline, got
             got += events.take()
             time.sleep(0.02)
-        assert [(e.block_hashes, e.medium) for e in got] == [([h], "CPU") for h in hashes]
+        assert [(e.block_hashes, e.medium) for e in got] == [([h], "CPU") for h in hashes + salted]
         time.sleep(0.1)
-        assert events.take() == []  # the salted request's blocks: its tenant is the sidecar's secret
+        assert events.take() == []
     finally:
         events.close()
         sidecar.close()

@@ -162,24 +162,27 @@ def test_requests_the_store_cannot_key_by_tokens_alone_never_use_it(link):
     assert side.build_meta(step(new=[("lora", [1, 2, 3, 4], 0, 128)])).saves == []
 
 
-def test_salts_are_tenants_in_process(link):
+def test_a_salt_hits_only_what_the_same_salt_stored_in_process(link):
     prompt = list(range(1, 129))
     store_prefix(link, prompt, salt="alice")
     side = SchedulerSide(link, BLOCK)
-    for req_id, salt, hit in (("a", "alice", 96), ("b", "bob", 0), ("c", None, 0)):
+    for req_id, salt, hit in (("a", "alice", 96), ("b", "bob", 0), ("c", None, 0), ("d", "", 0)):
         r = request(req_id, prompt, salt)
         side.on_new_request(r)
         assert side.matched_tokens(r, 0) == hit, salt
 
 
-def test_a_sidecar_salt_without_a_token_does_not_use_the_store():
-    config = ConnectorConfig.from_extra_config({"url": "http://127.0.0.1:9", "tokens": {"alice": "ta"}})
-    link = StoreLink(config, "m", SPEC)
+def test_a_salt_the_store_would_refuse_is_computed_and_leaves_the_store_working(link, caplog):
+    prompt = list(range(1, 129))
+    store_prefix(link, prompt)
     side = SchedulerSide(link, BLOCK)
-    r = request("x", list(range(1, 129)), "mallory")
-    side.on_new_request(r)
-    assert side.matched_tokens(r, 0) == 0 and side.num_tracked == 0
-    link.close()
+    long_salt = request("x", prompt, "x" * 5000)
+    side.on_new_request(long_salt)
+    assert side.matched_tokens(long_salt, 0) == 0 and side.num_tracked == 0
+    assert any("cache_salt" in rec.getMessage() for rec in caplog.records)
+    plain = request("y", prompt)  # the store was not marked down by it
+    side.on_new_request(plain)
+    assert side.matched_tokens(plain, 0) == 96
 
 
 def test_an_unreachable_sidecar_is_a_miss_and_is_left_alone_after(caplog):
