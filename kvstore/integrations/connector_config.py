@@ -28,7 +28,7 @@ from kvstore.kv_events import check_endpoints
 from kvstore.sizes import parse_bytes
 
 SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes", "kv_events_endpoint", "kv_events_replay_endpoint")
-COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s")
+COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s", "load_async")
 STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreConfig))
 DEFAULT_PAGE_SIZE = 16  # the decode loop's (decode/loader.py): the same pages serve both
 
@@ -46,6 +46,9 @@ class ConnectorConfig:
     timeout_s: float = 5.0  # longest a step waits on the store; past it the tokens are recomputed
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per store page; must divide vLLM's block_size
     retry_after_s: float = 10.0  # after a failure, the store is left alone this long
+    # Loads run beside the forward, while their requests wait outside the batch (vLLM's
+    # WAITING_FOR_REMOTE_KVS), instead of inside the step of the batch they join.
+    load_async: bool = False
     # The sidecar's KV events (its --kv-events-endpoint / --kv-events-replay-endpoint), which
     # take_events() turns into the engine's own when vLLM publishes KV events.
     kv_events_endpoint: str | None = None
@@ -68,12 +71,15 @@ class ConnectorConfig:
         if self.shared_memory_bytes is not None and (isinstance(self.shared_memory_bytes, bool) or not isinstance(
                 self.shared_memory_bytes, int) or self.shared_memory_bytes < 0):
             raise ValueError(f"shared_memory_bytes: expected a byte count >= 0, got {self.shared_memory_bytes!r}")
+        if not isinstance(self.load_async, bool):
+            raise ValueError(f"load_async: expected true or false, got {self.load_async!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("token: expected a non-empty string")
         check_endpoints(self.kv_events_endpoint, self.kv_events_replay_endpoint)
 
     def token_for(self, salt: str | None) -> str | None:
-        return self.token if salt is None else dict(self.tokens).get(salt)
+        """The bearer token of requests with `salt`: the one `tokens` names for it, else `token`."""
+        return self.token if salt is None else dict(self.tokens).get(salt, self.token)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":

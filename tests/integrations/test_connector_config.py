@@ -16,7 +16,8 @@ def test_sidecar_settings_with_per_salt_tokens():
                                                 "shared_memory_bytes": "0"})
     assert config.shared_memory_bytes == 0
     assert config.url == "http://127.0.0.1:8100" and config.store is None and config.timeout_s == 2
-    assert config.token_for(None) == "t0" and config.token_for("alice") == "ta" and config.token_for("eve") is None
+    assert config.token_for(None) == "t0" and config.token_for("alice") == "ta"
+    assert config.token_for("eve") == "t0"  # a salt with no token of its own: the connector's tenant, salted
 
 
 def test_in_process_settings_take_kvstore_serve_names_and_units(tmp_path):
@@ -38,6 +39,7 @@ def test_in_process_settings_take_kvstore_serve_names_and_units(tmp_path):
     ({"url": "h:1"}, "url"),
     ({"url": "http://h:1", "timeout_s": 0}, "timeout_s"),
     ({"url": "http://h:1", "tokens": {"salt": 3}}, "tokens"),
+    ({"url": "http://h:1", "load_async": "yes"}, "load_async"),
     ({"url": "http://h:1", "page_size": 0}, "page_size"),
     ({"policy": "fifo"}, "policy"),
 ])
