@@ -14,8 +14,9 @@ from aiohttp import web
 from kvstore.api.auth import authenticate, load_auth_file
 from kvstore.api.catch_up import CATCH_UP, CatchUp, learn_after
 from kvstore.api.config import ServerConfig
-from kvstore.api.context import AUTH, CONFIG, EXECUTOR, SHARED_MEMORY, STORE
+from kvstore.api.context import AUTH, CONFIG, EXECUTOR, LOOP_STORE, SHARED_MEMORY, STORE
 from kvstore.api.fast_path import FAST_PATH, FastPath, count_answers
+from kvstore.api.loop_store import LoopStore
 from kvstore.api.metrics import METRICS, Metrics, measure
 from kvstore.api.middleware import errors
 from kvstore.api.routes import ROUTES
@@ -31,8 +32,9 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
     middlewares = [learn_after] + ([count_answers] if config.fast_path else []) + [measure, errors, authenticate]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[STORE] = store
-    store.learn_later(True)
-    app[CATCH_UP] = CatchUp(store)
+    app[LOOP_STORE] = loop_store = LoopStore(store)
+    loop_store.learn_later(True)
+    app[CATCH_UP] = CatchUp(loop_store)
     app[CONFIG] = config
     auth = load_auth_file(config.auth_file) if config.auth_file else None
     app[AUTH] = auth.tokens if auth else {}
@@ -50,4 +52,4 @@ def create_app(store: Any, config: ServerConfig | None = None) -> web.Applicatio
 
 async def _shutdown_executor(app: web.Application) -> None:
     app[EXECUTOR].shutdown(wait=True)
-    app[STORE].learn_later(False)  # catches up; the store learns inline again for other callers
+    app[LOOP_STORE].learn_later(False)  # catches up; the store learns inline again for other callers

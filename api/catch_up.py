@@ -3,7 +3,7 @@
 `duel`, the default policy, replays every page a request stores or reads through two shadow
 caches to learn which of its two rules to follow. That is most of what the policy costs a store
 (kvstore/policies/duel.py, `DuelPolicy`), and none of it changes the answer. So the app holds it
-(`store.learn_later()` when the app is made, undone on cleanup) and replays it once an answer is
+(`learn_later` when the app is made, undone on cleanup) and replays it once an answer is
 written: `soon()` queues one `catch_up` behind the answers of the current loop pass, where it
 runs while the client reads its answer and sends the next request.
 
@@ -21,10 +21,11 @@ RETRY_S = 0.001  # the store's lock was busy: try again this much later
 
 
 class CatchUp:
-    """At most one queued `store.catch_up` at a time."""
+    """At most one queued catch-up at a time. `loop_store`: the app's `LoopStore`
+    (api/loop_store.py), whose `catch_up_unless_busy` never waits for the store's lock."""
 
-    def __init__(self, store: Any):
-        self.store = store
+    def __init__(self, loop_store: Any):
+        self.loop_store = loop_store
         self.queued = False
 
     def soon(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -35,7 +36,7 @@ class CatchUp:
             (loop or asyncio.get_running_loop()).call_soon(self._run)
 
     def _run(self) -> None:
-        if self.store.catch_up(blocking=False):
+        if self.loop_store.catch_up_unless_busy():
             self.queued = False
         else:
             asyncio.get_running_loop().call_later(RETRY_S, self._run)

@@ -43,16 +43,15 @@ class _Counted(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._fast is not None:
-            self._lane = self._fast.lane(transport)
+            self._lane = self._fast.lane(transport, self._inner)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         lane = self._lane
         if lane is not None:  # the data routes' fast path (api/fast_path.py), else aiohttp's
-            if lane.take(data):
-                return
-            lane.follow(data)
-        self._inner.data_received(data)
+            lane.received(data)
+        else:
+            self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received()

@@ -18,6 +18,8 @@ from kvstore.api.shared_memory import SharedMemoryArenas
 T = TypeVar("T")
 
 STORE: web.AppKey[Any] = web.AppKey("store", object)  # a KVStore (kept Any: store.py imports torch, lmdb)
+# The same store as the event loop calls it (api/loop_store.py `LoopStore`; Any for the same reason).
+LOOP_STORE: web.AppKey[Any] = web.AppKey("loop_store", object)
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
 EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("executor", ThreadPoolExecutor)
 SHARED_MEMORY: web.AppKey[SharedMemoryArenas] = web.AppKey("shared_memory", SharedMemoryArenas)

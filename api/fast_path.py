@@ -4,31 +4,28 @@ Why: once KV moves through shared memory, much of a small request's time is aioh
 and response objects, the middleware chain, the handler task and the loop iterations between
 them (docs/performance.md has the measurements).
 
-What is answered here, all of it or nothing:
+What is taken here, all of it or nothing:
 - a received chunk that is exactly one complete HTTP/1.1 request, head and Content-Length body
-  (within max_body_bytes) with nothing after it, for POST /v1/lookup, /v1/fetch, /v1/store or
-  /v1/chunks/store;
+  (within max_body_bytes) with nothing after it, for a data route (api/routes.py DATA_ROUTES:
+  lookup, fetch, store, chunks/store, blend);
 - msgpack both ways: no JSON Content-Type or Accept; no Transfer-Encoding, Content-Encoding,
   Expect, Upgrade or `Connection: close`;
-- whose work needs no I/O and finds the store free, decided and done by the handlers' own
-  functions (api/handlers.py `*_inline`), so an answer here carries what the handler's would;
 - with a known bearer token when the sidecar has an auth file.
-Everything else goes to aiohttp unchanged, and so does a request whose processing raises (a bad
-field, an unknown model, a refused region): aiohttp then answers it, errors included, exactly as
-without this path. Doing the work twice is harmless: the routes are idempotent (storing the same
-pages again changes nothing), as the clients' retry already assumes.
+Everything else goes to aiohttp unchanged, and aiohttp answers it through the same handler.
 
-A fetch that turns out to need I/O (a page on disk) is planned here (matched and pinned) and
-its plan goes to aiohttp with the request: the lane keeps it for the request it hands on next,
-`count_answers` gives it to that request (handlers.HANDED_PLAN), and the handler runs it on a
-pool thread without matching the prompt again. A plan that no handler takes (the request was
-answered otherwise, the connection closed) is released.
+A request taken here is answered here, whole: its route's handler (api/handlers.py) runs on the
+loop and either answers or returns a `Later`, which runs on the app's pool thread and is
+answered from its completion (a fetch that needs the disk, a large store, a blend). Failures
+are answered here too, with aiohttp's error bodies and statuses (api/middleware.py `error_of`).
+Nothing taken here is handed to aiohttp, nor the other way round.
 
-Invariant: a connection's answers leave in request order. A request is answered here only when
+Invariant: a connection's answers leave in request order. A request is taken here only when
 aiohttp holds no part of an earlier one and has answered every request it was handed on the
-connection. `Lane` follows the request boundaries of the bytes it hands on (Content-Length
-framing; anything it cannot follow turns the lane off for the connection, which is always safe)
-and counts aiohttp's answers through the `count_answers` middleware.
+connection, and no `Later` of this path is running for it: while one runs, what arrives on the
+connection is held (reading paused past HELD_BYTES) and taken up once its answer is written.
+`Lane` follows the request boundaries of the bytes it hands on (Content-Length framing;
+anything it cannot follow turns the lane off for the connection, which is always safe) and
+counts aiohttp's answers through the `count_answers` middleware.
 
 Not done here: keep-alive bookkeeping. aiohttp closes a connection it has seen idle for its
 keep-alive timeout even if this path served requests meanwhile; the clients open a new one (and
@@ -38,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import http
 import re
 import sys
 import time
@@ -49,49 +47,25 @@ from aiohttp import web
 from kvstore.api import handlers, wire
 from kvstore.api.auth import PROTECTED_PREFIX, bearer_tenant
 from kvstore.api.catch_up import CATCH_UP
-from kvstore.api.context import AUTH, CONFIG
+from kvstore.api.context import AUTH, CONFIG, EXECUTOR
 from kvstore.api.event_loop import loop_name
 from kvstore.api.framing import SMALL_BODY_BYTES, pack_map_prefix
 from kvstore.api.metrics import METRICS
-from kvstore.fetch_plan import FetchPlan
+from kvstore.api.middleware import error_of
+from kvstore.api.routes import DATA_ROUTES
 
-Answer = tuple[dict, Any]  # (fields, kv bytes or None)
-Answered = tuple[list[Any], bytes, float]  # (the answer's bytes, its route's path, seconds it took)
-# A route's outcome: its answer, a fetch plan for aiohttp's handler to run, or None (aiohttp's).
-Route = Callable[[web.Application, Any, dict, "str | None"], "Answer | FetchPlan | None"]
+Written = tuple[list[Any], int]  # (the answer's bytes, its status)
 
 _HEAD_END = b"\r\n\r\n"
 MAX_HEAD_BYTES = 8190  # aiohttp's default line limit; a whole head past it is never ours
 HEAD_CACHE_ENTRIES = 256  # distinct heads kept (emptied when full): clients' heads differ by Content-Length
+# Bytes a connection may send while a `Later` of it runs before its reads are paused.
+HELD_BYTES = 1 << 20
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")  # an HTTP header name (RFC 9110 token), lowercased
 _REFUSED_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
-_ANSWER_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: " + wire.MSGPACK.encode()
-                + b"\r\nContent-Length: %d\r\nDate: %s\r\n\r\n")  # with its length and date
-
-
-def _lookup(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
-    answer = handlers.lookup_inline(app, wire.lookup_request(body), tenant)
-    return None if answer is None else (answer, None)
-
-
-def _fetch(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | FetchPlan | None:
-    req = wire.fetch_request(body)
-    return handlers.fetch_inline(app, req, tenant, handlers.shm_region(app, transport, req))
-
-
-def _storing(parse: Callable[[dict], wire.StoreRequest],
-             put_kv: Callable[[wire.StoreRequest, "str | None"], handlers.PutKV]) -> Route:
-    """A store route (its body parser, its store method), as `handlers._store` runs it."""
-    def route(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | None:
-        req = parse(body)
-        answer = handlers.store_inline(app, handlers.StoreJob(app, transport, req, put_kv(req, tenant), tenant))
-        return None if answer is None else (answer, None)
-    return route
-
-
-ROUTES: dict[bytes, Route] = {b"/v1/lookup": _lookup, b"/v1/fetch": _fetch,
-                              b"/v1/store": _storing(wire.store_request, handlers.put_pages),
-                              b"/v1/chunks/store": _storing(wire.chunk_store_request, handlers.put_chunk)}
+_ANSWER_HEAD = (b"HTTP/1.1 %d %s\r\nContent-Type: " + wire.MSGPACK.encode()
+                + b"\r\nContent-Length: %d\r\nDate: %s\r\n\r\n")  # with its status, length and date
+ROUTES: dict[bytes, handlers.Handler] = {path.encode(): handler for path, handler in DATA_ROUTES.items()}
 
 
 class FastPath:
@@ -100,14 +74,13 @@ class FastPath:
     def __init__(self, app: web.Application):
         self.app = app
         self.lanes: dict[Any, Lane] = {}  # by transport, from connection_made to connection_lost
-        metrics = app[METRICS]
-        self._counted = {path: (metrics.requests.labels(path.decode(), "POST", "200"),
-                                metrics.latency.labels(path.decode(), "POST")) for path in ROUTES}
+        self._metrics = app[METRICS]
+        self._counted: dict[tuple[bytes, int], tuple[Any, Any]] = {}  # (path, status) -> its two metrics
         self._date = (0, b"")
         self.catch_up = app[CATCH_UP]
         # Heads this path took, by their bytes (`_take_head`); only taken ones, so a refused
         # token is checked again every time.
-        self._heads: dict[bytes, tuple[bytes, Route, int, str | None]] = {}
+        self._heads: dict[bytes, tuple[bytes, handlers.Handler, int, str | None]] = {}
         self._vectored: bool | None = None  # known once a loop runs (`vectored_writes`)
         # One packer for every answer (msgpack.packb makes one per call): answers are packed on
         # the event loop's thread only. autoreset: pack() returns the bytes and starts over.
@@ -121,22 +94,21 @@ class FastPath:
             self._vectored = sys.version_info >= (3, 12) or loop_name(asyncio.get_running_loop()) == "uvloop"
         return self._vectored
 
-    def lane(self, transport: Any) -> "Lane":
-        lane = self.lanes[transport] = Lane(self, transport)
+    def lane(self, transport: Any, inner: asyncio.Protocol) -> "Lane":
+        lane = self.lanes[transport] = Lane(self, transport, inner)
         return lane
 
     def drop(self, transport: Any) -> None:
         lane = self.lanes.pop(transport, None)
-        if lane is not None and lane.planned is not None:
-            handlers.release_plan(self.app, lane.planned[1])
+        if lane is not None:
+            lane.held = None
 
-    def answer(self, transport: Any, data: bytes) -> Answered | FetchPlan | None:
-        """The bytes answering `data` when it is one request this path takes (module docstring),
-        with its path and time for `count`; a fetch plan when it is a fetch that needs a thread;
-        else None. With a plan or None, nothing was answered and `data` is aiohttp's."""
+    def take(self, transport: Any, data: bytes) -> tuple[bytes, Written | handlers.Later] | None:
+        """(path, the answer's bytes and status) when `data` is one request this path takes
+        (module docstring) and its handler answered on the loop; (path, its `Later`) when the
+        handler left the work for a pool thread; None when `data` is aiohttp's (nothing done)."""
         if not data.startswith(b"POST /"):
             return None
-        began = time.perf_counter()
         head_end = data.find(_HEAD_END)
         if not 0 < head_end <= MAX_HEAD_BYTES:  # longer heads: aiohttp's own limits apply
             return None
@@ -152,7 +124,7 @@ class FastPath:
             if len(self._heads) >= HEAD_CACHE_ENTRIES:
                 self._heads.clear()
             self._heads[head] = taken
-        path, route, length, tenant = taken
+        path, handler, length, tenant = taken
         body_at = head_end + len(_HEAD_END)
         if len(data) - body_at != length:
             return None
@@ -160,30 +132,40 @@ class FastPath:
             # A small body is decoded straight from the read (its bins come back as copies); a
             # large one from a writable copy, since its bins are views (a store's kv).
             body = memoryview(data)[body_at:] if length <= SMALL_BODY_BYTES else bytearray(memoryview(data)[body_at:])
-            answer = route(self.app, transport, wire.decode_msgpack(body), tenant)
-        except Exception:  # aiohttp answers it (the same error, or a logged 500 for a bug)
-            return None
-        if answer is None or isinstance(answer, FetchPlan):
-            return answer
-        return self._encode(*answer), path, time.perf_counter() - began
+            outcome = handler(self.app, transport, wire.decode_msgpack(body), tenant)
+        except Exception as exc:  # answered as aiohttp's error middleware would
+            return path, self.failed(path, exc)
+        if isinstance(outcome, handlers.Later):
+            return path, outcome
+        return path, (self._encode(*outcome), 200)
 
-    def count(self, path: bytes, seconds: float) -> None:
-        """Count an answer of this path in the route's metrics. `Lane.take` calls it once the
-        answer is written, off the answer's way: a client on another core reads it meanwhile (on
-        the same core, as one client and the sidecar often are on a 2-core host, it saves nothing)."""
-        requests, latency = self._counted[path]
+    def failed(self, path: bytes, exc: BaseException) -> Written:
+        status, code, message = error_of(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)), "POST",
+                                         path.decode())
+        return self._encode({"error": {"code": code, "message": message}}, None, status), status
+
+    def count(self, path: bytes, status: int, seconds: float) -> None:
+        """Count an answer of this path in the route's metrics. `Lane` calls it once the answer is
+        written, off the answer's way: a client on another core reads it meanwhile (on the same
+        core, as one client and the sidecar often are on a 2-core host, it saves nothing)."""
+        counted = self._counted.get((path, status))
+        if counted is None:
+            route = path.decode()
+            counted = self._counted[path, status] = (self._metrics.requests.labels(route, "POST", str(status)),
+                                                     self._metrics.latency.labels(route, "POST"))
+        requests, latency = counted
         requests.inc()
         latency.observe(seconds)
 
-    def _take_head(self, head: bytes) -> tuple[bytes, Route, int, "str | None"] | None:
-        """(path, route, Content-Length, tenant) of a request head this path takes, else None.
+    def _take_head(self, head: bytes) -> tuple[bytes, handlers.Handler, int, "str | None"] | None:
+        """(path, handler, Content-Length, tenant) of a request head this path takes, else None.
         Depends on nothing but the head's bytes and the app's fixed config and auth table, so
-        `answer` keeps it by head: a client's heads repeat byte for byte."""
+        `take` keeps it by head: a client's heads repeat byte for byte."""
         lines = head.split(b"\r\n")
-        _, _, rest = lines[0].partition(b" ")  # the method is POST (checked by `answer`)
+        _, _, rest = lines[0].partition(b" ")  # the method is POST (checked by `take`)
         path, _, version = rest.partition(b" ")
-        route = ROUTES.get(path)
-        if route is None or version != b"HTTP/1.1":
+        handler = ROUTES.get(path)
+        if handler is None or version != b"HTTP/1.1":
             return None
         headers = _headers(lines[1:])
         if headers is None or not _plain(headers):
@@ -196,7 +178,7 @@ class FastPath:
             return None
         if wire.answer_in_json(headers.get(b"accept", b"").decode("latin-1"), content_type, "POST"):
             return None
-        return path, route, length, self._tenant(path, headers)
+        return path, handler, length, self._tenant(path, headers)
 
     def _tenant(self, path: bytes, headers: dict[bytes, bytes]) -> str | None:
         table = self.app[AUTH]
@@ -204,60 +186,119 @@ class FastPath:
             return None
         return bearer_tenant(table, headers.get(b"authorization", b"").decode("latin-1"))
 
-    def _encode(self, fields: dict, raw: Any) -> list[Any]:
+    def _encode(self, fields: dict, raw: Any, status: int = 200) -> list[Any]:
         if raw is None:
             body = self._packer.pack(fields)
-            return [self._head(len(body)) + body]
+            return [self._head(status, len(body)) + body]
         prefix = pack_map_prefix(fields, "kv", raw.nbytes)
-        return [self._head(len(prefix) + raw.nbytes) + prefix, memoryview(raw)]
+        return [self._head(status, len(prefix) + raw.nbytes) + prefix, memoryview(raw)]
 
-    def _head(self, content_length: int) -> bytes:
+    def _head(self, status: int, content_length: int) -> bytes:
         second = int(time.time())
         if self._date[0] != second:  # formatted once a second, as aiohttp does
             self._date = (second, email.utils.formatdate(second, usegmt=True).encode())
-        return _ANSWER_HEAD % (content_length, self._date[1])
+        return _ANSWER_HEAD % (status, _REASONS[status], content_length, self._date[1])
+
+
+class _Reasons(dict):
+    def __missing__(self, status: int) -> bytes:
+        reason = self[status] = http.HTTPStatus(status).phrase.encode()
+        return reason
+
+
+_REASONS: dict[int, bytes] = _Reasons()
 
 
 class Lane:
-    """One connection's view of what aiohttp holds: requests handed on (counted at their head),
-    requests answered, and how much of a handed-on body aiohttp has yet to receive.
+    """One connection: what aiohttp holds of it (requests handed on, counted at their head;
+    requests answered; how much of a handed-on body it has yet to receive), and what arrived
+    while a `Later` of this path runs (`held`, None when none runs).
 
-    Invariant: `idle` is true only when every byte handed on so far formed complete requests and
-    aiohttp has answered each of them; `following` turns false for good on anything the
-    Content-Length framing below cannot follow."""
+    Invariant: `idle` is true only when every byte handed on so far formed complete requests,
+    aiohttp has answered each of them and no `Later` runs; `following` turns false for good on
+    anything the Content-Length framing below cannot follow."""
 
-    __slots__ = ("fast", "transport", "loop", "handed", "answered", "body_left", "following", "planned")
+    __slots__ = ("fast", "transport", "inner", "loop", "handed", "answered", "body_left", "following", "held",
+                 "paused")
 
-    def __init__(self, fast: FastPath, transport: Any):
+    def __init__(self, fast: FastPath, transport: Any, inner: asyncio.Protocol):
         self.fast = fast
         self.transport = transport
+        self.inner = inner  # aiohttp's protocol for the connection
         self.loop: asyncio.AbstractEventLoop | None = None  # the connection's, once it has answered here
         self.handed = 0
         self.answered = 0
         self.body_left = 0
         self.following = True
-        # (number of the handed-on request it is for, its fetch plan), until count_answers gives it
-        # to that request's handler.
-        self.planned: tuple[int, FetchPlan] | None = None
+        self.held: bytearray | None = None
+        self.paused = False
 
     @property
     def idle(self) -> bool:
         return self.following and not self.body_left and self.handed == self.answered
 
+    def received(self, data: bytes) -> None:
+        """A read of the connection: held while a `Later` runs, taken here, or aiohttp's."""
+        if self.held is not None:
+            self.held += data
+            if len(self.held) > HELD_BYTES and not self.paused:
+                self.paused = True
+                self.transport.pause_reading()
+            return
+        if not self.take(data):
+            self.follow(data)
+            self.inner.data_received(data)
+
     def take(self, data: bytes) -> bool:
-        """Answer `data` here if this path takes it; False: hand it to aiohttp (and `follow` it)."""
+        """Answer `data` here (now, or from a pool thread) if this path takes it; False: hand it
+        to aiohttp (and `follow` it)."""
         if not self.idle or self.transport.is_closing():
             return False
-        if self.planned is not None:  # idle: the request it was for was answered without it
-            handlers.release_plan(self.fast.app, self.planned[1])
-            self.planned = None
-        answered = self.fast.answer(self.transport, data)
-        if isinstance(answered, FetchPlan):
-            self.planned = (self.handed + 1, answered)  # `follow` counts this request next
+        began = time.perf_counter()
+        taken = self.fast.take(self.transport, data)
+        if taken is None:
             return False
-        if answered is None:
-            return False
-        answer, path, seconds = answered
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        path, outcome = taken
+        if isinstance(outcome, handlers.Later):
+            self._later(path, outcome, began)
+        else:
+            self._write(path, outcome, began)
+        return True
+
+    def _later(self, path: bytes, later: handlers.Later, began: float) -> None:
+        self.held = bytearray()
+        loop = self.loop
+        assert loop is not None
+        try:
+            future = loop.run_in_executor(self.fast.app[EXECUTOR], later.run)
+        except RuntimeError:  # the pool is shut down: the app is closing
+            later.drop()
+            self.held = None
+            self.transport.close()
+            return
+
+        def done(future: asyncio.Future) -> None:
+            later.drop()
+            if future.cancelled():  # the loop is closing
+                return
+            exc = future.exception()
+            self._write(path, self.fast.failed(path, exc) if exc is not None
+                        else (self.fast._encode(*future.result()), 200), began)
+            held, self.held = self.held, None
+            if self.paused:
+                self.paused = False
+                if not self.transport.is_closing():
+                    self.transport.resume_reading()
+            if held and not self.transport.is_closing():
+                self.received(bytes(held))
+        future.add_done_callback(done)
+
+    def _write(self, path: bytes, written: Written, began: float) -> None:
+        answer, status = written
+        if self.transport.is_closing():  # the client left while its answer was on a pool thread
+            return
         if len(answer) == 1:
             self.transport.write(answer[0])
         elif self.fast.vectored_writes():  # head and kv in one send: the client wakes once, to all of it
@@ -265,11 +306,8 @@ class Lane:
         else:  # asyncio's writelines before 3.12 joins the parts, a copy of the kv
             for part in answer:
                 self.transport.write(part)
-        self.fast.count(path, seconds)
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
+        self.fast.count(path, status, time.perf_counter() - began)
         self.fast.catch_up.soon(self.loop)  # the policy learns from it now that the answer is out
-        return True
 
     def follow(self, data: bytes) -> None:
         """Advance the request boundaries over bytes handed to aiohttp."""
@@ -295,19 +333,10 @@ class Lane:
 async def count_answers(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """The outermost middleware: counts a request answered once its answer has been written, so
-    that a later request on the connection may be answered by the fast path without overtaking it;
-    and hands the request the fetch plan the fast path made for it (released if unused)."""
+    that a later request on the connection may be taken by the fast path without overtaking it."""
     fast = request.app.get(FAST_PATH)
     lane = fast.lanes.get(request.transport) if fast is not None else None
-    if lane is not None and lane.planned is not None and lane.planned[0] == lane.answered + 1:
-        request[handlers.HANDED_PLAN] = lane.planned[1]
-        lane.planned = None
-    try:
-        response = await handler(request)
-    finally:
-        unused = request.pop(handlers.HANDED_PLAN, None)
-        if unused is not None:
-            handlers.release_plan(request.app, unused)
+    response = await handler(request)
     if lane is not None:
         await response.prepare(request)  # aiohttp would write it after we return; it skips a written one
         await response.write_eof()

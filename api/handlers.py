@@ -1,21 +1,32 @@
-"""Thin handlers: parse (wire) -> store call (off the loop where it could wait) -> encode (wire).
+"""Thin handlers, one per route: parse (wire) -> store call (off the loop where it could wait) -> encode (wire).
+
+The admin routes (models, stats, metrics, openapi, healthz, shm registration) are aiohttp
+handlers. A data route's handler (lookup, fetch, store, chunks/store, blend) takes the app, the
+connection's transport, the decoded body and the tenant, and returns either its answer, when the
+work was done on the loop (no I/O, the store free, a small copy), or a `Later`: the rest of the
+work, for a pool thread. Whichever server took the request runs the `Later` and writes the answer
+itself: the fast path (api/fast_path.py) for a plain msgpack request whole in one read, aiohttp
+(`aiohttp_handler`) for the rest. Neither hands a request it took to the other.
 
 Nothing here validates beyond what wire.py does or decides anything the store decides; a
 handler that grows past ~20 lines is a sign its logic belongs in one of those.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
 
 from kvstore.api import wire
-from kvstore.api.context import CONFIG, EXECUTOR, SHARED_MEMORY, STORE, run_blocking, tenant_of
+from kvstore.api.context import CONFIG, EXECUTOR, LOOP_STORE, SHARED_MEMORY, STORE, run_blocking, tenant_of
 from kvstore.api.metrics import METRICS
 from kvstore.api.openapi import openapi_document
 from kvstore.errors import StoreBusy
 from kvstore.fetch_plan import FetchPlan
+
+Answer = tuple[dict, Any]  # a data route's answer: (fields, kv bytes or None; api/wire.py fetch_answer)
+Handler = Callable[[web.Application, Any, dict, "str | None"], "Answer | Later"]
 
 
 async def _body(request: web.Request) -> dict:
@@ -44,8 +55,8 @@ async def stats(request: web.Request) -> web.Response:
 async def put_model(request: web.Request) -> web.Response:
     model = wire.model_name(request.match_info["model"], field="model (path)")
     spec = wire.model_spec(await _body(request))
-    store, tenant = request.app[STORE], tenant_of(request)
-    created = await run_blocking(request, store.register_model_created, model, spec, tenant=tenant)
+    tenant = tenant_of(request)
+    created = await run_blocking(request, request.app[LOOP_STORE].register_model_created, model, spec, tenant=tenant)
     return wire.respond(request, spec.to_dict(), status=201 if created else 200)
 
 
@@ -90,50 +101,73 @@ def shm_array(app: web.Application, transport: Any, req: wire.TokensRequest) -> 
     return app[SHARED_MEMORY].arena(transport).region_array(offset, nbytes, field="shm")
 
 
-# ---- what runs on the event loop: shared with api/fast_path.py, which answers the same requests
-# before aiohttp's request machinery. The loop never waits for the store: each of these enters it
-# only through `unless_busy` and returns None (the work goes to a pool thread) when another
-# thread holds it, or when the work could wait on I/O.
+# ---- the data routes: what runs on the event loop enters the store only through `unless_busy`
+# (api/loop_store.py) and never waits for it; what could wait is a `Later`.
 
-# A fetch the fast path planned but left to aiohttp (it needs I/O), handed to its handler.
-HANDED_PLAN: Any = web.RequestKey("handed_plan", FetchPlan) if hasattr(web, "RequestKey") else "kvstore.handed_plan"
+def _nothing() -> None:
+    pass
 
 
-def lookup_inline(app: web.Application, req: wire.TokensRequest, tenant: str | None) -> dict | None:
+class Later:
+    """A data request's work that must leave the loop: `run()` (on a pool thread) -> its answer.
+    `drop()` after it, or instead of it when it will never run: it gives up what the work held
+    (a fetch plan's pins)."""
+
+    __slots__ = ("run", "drop")
+
+    def __init__(self, run: Callable[[], Answer], drop: Callable[[], None] = _nothing):
+        self.run, self.drop = run, drop
+
+
+def lookup(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | Later:
     """A lookup only walks the in-memory index (no copies): a thread hop would cost more than the
     lookup itself. Off the loop when Redis may be probed or the store is busy."""
-    kvstore = app[STORE]
-    if kvstore.has_shared_tier:
-        return None
-    with kvstore.unless_busy() as free:
-        return fields_of(kvstore.lookup(req.model, req.tokens, tenant=tenant, salt=req.salt)) if free else None
+    req = wire.lookup_request(body)
+    loop_store = app[LOOP_STORE]
+    kvstore = loop_store.store
+    if not loop_store.has_shared_tier:
+        with loop_store.unless_busy() as free:
+            if free:
+                return fields_of(kvstore.lookup(req.model, req.tokens, tenant=tenant, salt=req.salt)), None
+    return Later(lambda: (fields_of(kvstore.lookup(req.model, req.tokens, tenant=tenant, salt=req.salt)), None))
 
 
-def fetch_inline(app: web.Application, req: wire.TokensRequest, tenant: str | None,
-                 into: Any) -> tuple[dict, Any] | FetchPlan | None:
-    """A fetch, planned once on the loop: its answer (fields, kv bytes or None; api/wire.py
-    fetch_answer) when it needs no I/O and copies at most inline_copy_bytes, cheaper here than the
-    hop to a pool thread; else its plan, for `run_plan` on a thread; None when even planning would
-    wait (a Redis probe is due, or the store is busy): `fetch_job` then plans on the thread.
-    `into`: the client's memory to answer into (`shm_region`), or None."""
-    kvstore = app[STORE]
-    if kvstore.has_shared_tier:
-        return None
-    with kvstore.unless_busy() as free:
-        if not free:
-            return None
-        plan = kvstore.plan_fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt, into=into)
-        if plan.needs_io or plan.nbytes > app[CONFIG].inline_copy_bytes:
-            return plan
-        result = plan.run()
-    return wire.fetch_answer(result.matched_tokens, result.kv, req.shm, into)
+def fetch(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | Later:
+    """A fetch, planned once on the loop: answered there when it needs no I/O and copies at most
+    inline_copy_bytes, cheaper than the hop to a pool thread; else its plan runs on a thread (the
+    prompt is not matched again). Planned on the thread too when even planning would wait (a
+    Redis probe is due, or the store is busy). The answer goes into the client's shared memory
+    when the request names a region of it."""
+    req = wire.fetch_request(body)
+    into = shm_region(app, transport, req)
+    loop_store = app[LOOP_STORE]
+    kvstore = loop_store.store
+    if not loop_store.has_shared_tier:
+        with loop_store.unless_busy() as free:
+            if free:
+                plan = loop_store.plan_fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt,
+                                             into=into)
+                if plan.needs_io or plan.nbytes > app[CONFIG].inline_copy_bytes:
+                    return Later(lambda: _read(plan.run(), req, into), lambda: release_plan(app, plan))
+                result = plan.run()
+        if free:
+            return _read(result, req, into)
+
+    def read() -> Answer:
+        return _read(kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt, into=into),
+                     req, into)
+    return Later(read)
+
+
+def _read(found: Any, req: wire.TokensRequest, into: Any) -> Answer:
+    return wire.fetch_answer(found.matched_tokens, found.kv, req.shm, into)
 
 
 def release_plan(app: web.Application, plan: FetchPlan) -> None:
     """Give up a plan nobody will run, without waiting for the store on the loop."""
     if plan.claimed:
         return
-    with app[STORE].unless_busy() as free:
+    with app[LOOP_STORE].unless_busy() as free:
         if free:
             plan.release()
             return
@@ -141,18 +175,6 @@ def release_plan(app: web.Application, plan: FetchPlan) -> None:
         app[EXECUTOR].submit(plan.release)
     except RuntimeError:  # the pool is shut down (the app is closing): no store call runs now
         plan.release()
-
-
-async def run_plan(request: web.Request, plan: FetchPlan, req: wire.TokensRequest, into: Any) -> tuple[dict, Any]:
-    """A planned fetch's answer, read on a pool thread (kv_payload copies a strided kv: off the loop too)."""
-    def read() -> tuple[dict, Any]:
-        found = plan.run()
-        return wire.fetch_answer(found.matched_tokens, found.kv, req.shm, into)
-
-    try:
-        return await run_blocking(request, read)
-    finally:  # cancelled before the thread took it (the client left): unpin it
-        release_plan(request.app, plan)
 
 
 PutKV = Callable[[Any, torch.Tensor], Any]  # (store, kv) -> StoreResult: which store method a route calls
@@ -169,91 +191,60 @@ class StoreJob:
         self.nbytes = self.raw.nbytes
         self.req, self.put_kv, self.tenant = req, put_kv, tenant
 
-    def __call__(self) -> dict:
+    def __call__(self) -> Answer:
         req = self.req
         spec = self.kvstore.get_spec(req.model, tenant=self.tenant)
         kv = wire.kv_tensor(self.raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
-        return fields_of(self.put_kv(self.kvstore, kv))
+        return fields_of(self.put_kv(self.kvstore, kv)), None
 
 
-def store_inline(app: web.Application, job: StoreJob) -> dict | None:
-    """A store's answer when it ran on the loop: small, nothing but copies into memory
-    (ServerConfig.inline_copy_bytes, `KVStore.stores_in_memory`) and the store free; else None."""
-    if job.nbytes > app[CONFIG].inline_copy_bytes:
-        return None
+def _store(app: web.Application, job: StoreJob) -> Answer | Later:
+    """Run on the loop when small, nothing but copies into memory (ServerConfig.inline_copy_bytes,
+    `LoopStore.stores_in_memory`) and the store free; else on a thread."""
+    if job.nbytes <= app[CONFIG].inline_copy_bytes:
+        loop_store = app[LOOP_STORE]
+        with loop_store.unless_busy() as free:
+            if free and loop_store.stores_in_memory(job.nbytes):
+                try:
+                    return job()
+                except StoreBusy:  # it met pages another request is still writing: wait for them on a thread
+                    pass
+    return Later(job)
+
+
+def store(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | Later:
+    req = wire.store_request(body)
+    return _store(app, StoreJob(app, transport, req, lambda kvstore, kv: kvstore.store(
+        req.model, req.tokens, kv, start=req.start, tenant=tenant, salt=req.salt), tenant))
+
+
+def store_chunk(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | Later:
+    req = wire.chunk_store_request(body)  # start is 0: a chunk is stored whole
+    return _store(app, StoreJob(app, transport, req, lambda kvstore, kv: kvstore.store_chunk(
+        req.model, req.tokens, kv, tenant=tenant, salt=req.salt), tenant))
+
+
+def blend(app: web.Application, transport: Any, body: dict, tenant: str | None) -> Answer | Later:
+    """Always on a thread: every chunk is a fetch, and K is re-rotated."""
+    req = wire.blend_request(body)
     kvstore = app[STORE]
-    with kvstore.unless_busy() as free:
-        if not free or not kvstore.stores_in_memory(job.nbytes):
-            return None
-        try:
-            return job()
-        except StoreBusy:  # it met pages another request is still writing: wait for them on a thread
-            return None
 
-
-def put_pages(req: wire.StoreRequest, tenant: str | None) -> PutKV:
-    return lambda kvstore, kv: kvstore.store(req.model, req.tokens, kv, start=req.start, tenant=tenant, salt=req.salt)
-
-
-def put_chunk(req: wire.StoreRequest, tenant: str | None) -> PutKV:
-    return lambda kvstore, kv: kvstore.store_chunk(req.model, req.tokens, kv, tenant=tenant, salt=req.salt)
-
-
-# ---- the data routes ---------------------------------------------------------------------------
-
-async def lookup(request: web.Request) -> web.Response:
-    req = wire.lookup_request(await _body(request))
-    kvstore, tenant = request.app[STORE], tenant_of(request)
-    answer = lookup_inline(request.app, req, tenant)
-    if answer is None:
-        answer = fields_of(await run_blocking(request, kvstore.lookup, req.model, req.tokens, tenant=tenant,
-                                                    salt=req.salt))
-    return wire.respond(request, answer)
-
-
-async def store(request: web.Request) -> web.Response:
-    req = wire.store_request(await _body(request))
-    return await _store(request, req, put_pages(req, tenant_of(request)))
-
-
-async def _store(request: web.Request, req: wire.StoreRequest, put_kv: PutKV) -> web.Response:
-    job = StoreJob(request.app, request.transport, req, put_kv, tenant_of(request))
-    answer = store_inline(request.app, job)
-    return wire.respond(request, answer if answer is not None else await run_blocking(request, job))
-
-
-async def fetch(request: web.Request) -> web.StreamResponse:
-    req = wire.fetch_request(await _body(request))
-    kvstore, tenant = request.app[STORE], tenant_of(request)
-    into = shm_region(request.app, request.transport, req)
-    found = request.pop(HANDED_PLAN, None) or fetch_inline(request.app, req, tenant, into)
-    if isinstance(found, FetchPlan):
-        answer = await run_plan(request, found, req, into)
-    elif found is None:
-        answer = await run_blocking(request, lambda: _fetch_answer(kvstore, req, tenant, into))
-    else:
-        answer = found
-    return await wire.respond_answer(request, *answer)
-
-
-def _fetch_answer(kvstore: Any, req: wire.TokensRequest, tenant: str | None, into: Any) -> tuple[dict, Any]:
-    found = kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt, into=into)
-    return wire.fetch_answer(found.matched_tokens, found.kv, req.shm, into)
-
-
-async def store_chunk(request: web.Request) -> web.Response:
-    req = wire.chunk_store_request(await _body(request))  # start is 0: a chunk is stored whole
-    return await _store(request, req, put_chunk(req, tenant_of(request)))
-
-
-async def blend(request: web.Request) -> web.StreamResponse:
-    req = wire.blend_request(await _body(request))
-    kvstore, tenant = request.app[STORE], tenant_of(request)
-
-    def get() -> tuple[dict, object]:
+    def get() -> Answer:
         result = kvstore.blend(req.model, req.chunks, start_pos=req.start_pos, tenant=tenant, salt=req.salt)
         fields, raw = wire.kv_payload(result.kv)
         return {"hits": result.hits, "positions": [list(p) for p in result.positions], **fields}, raw
+    return Later(get)
 
-    fields, raw = await run_blocking(request, get)
-    return await wire.respond_answer(request, fields, raw)
+
+def aiohttp_handler(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A data route's handler as aiohttp serves it (a request the fast path did not take)."""
+    async def handle(request: web.Request) -> web.StreamResponse:
+        outcome = handler(request.app, request.transport, await _body(request), tenant_of(request))
+        if isinstance(outcome, Later):
+            later = outcome
+            try:
+                outcome = await run_blocking(request, later.run)
+            finally:  # cancelled before the thread took it (the client left): unpin
+                later.drop()
+        return await wire.respond_answer(request, *outcome)
+    return handle

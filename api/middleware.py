@@ -28,14 +28,25 @@ def error_response(request: web.Request, status: int, code: str, message: str) -
     return response
 
 
+def error_of(exc: Exception, method: str, path: str) -> tuple[int, str, str]:
+    """(status, code, message) of a failure that is not aiohttp's own: a `KVStoreError` says
+    them; anything else is a bug, logged with its traceback. The fast path answers its failures
+    through this too, so both servers answer one failure alike."""
+    if isinstance(exc, KVStoreError):
+        if exc.status >= 500:
+            log.warning("%s %s: %s: %s", method, path, exc.code, exc.message)
+        return exc.status, exc.code, exc.message
+    log.error("unhandled error in %s %s", method, path, exc_info=exc)
+    return 500, KVStoreError.code, "internal error (logged by the server)"
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except KVStoreError as exc:
-        if exc.status >= 500:
-            log.warning("%s %s: %s: %s", request.method, request.path, exc.code, exc.message)
-        response = error_response(request, exc.status, exc.code, exc.message)
+        status, code, message = error_of(exc, request.method, request.path)
+        response = error_response(request, status, code, message)
         if exc.status in (408, 413):  # the rest of the body may still be on its way: do not read it
             response.force_close()
         return response
@@ -47,6 +58,5 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status == 405 and "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
         return response
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(request, 500, KVStoreError.code, "internal error (logged by the server)")
+    except Exception as exc:
+        return error_response(request, *error_of(exc, request.method, request.path))

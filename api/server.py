@@ -1,4 +1,8 @@
-"""`kvstore serve`: run the sidecar until SIGTERM/SIGINT, then shut down cleanly.
+"""`kvstore serve`: run the sidecar until SIGTERM/SIGINT, then shut down cleanly; and `serve_app`,
+the one way the app is served: by `kvstore serve`, `InProcessSidecar` (decode/sidecar.py, which
+`kvstore demo`, bench/ttft.py and the vLLM connector's loopback sidecar run) and the tests' live
+server. Each gets the same site: the connection limit, and the fast path unless the config turns
+it off.
 
 Order on a signal: stop accepting connections, let in-flight requests finish (up to
 `shutdown_timeout_s`), shut the app's thread pool down (waiting for running store calls), then
@@ -127,18 +131,50 @@ def kv_events_publisher(config: ServerConfig) -> Any:
         raise ServeError(str(exc)) from None
 
 
-async def _serve_until_signal(store: object, store_config: StoreConfig, server_config: ServerConfig,
-                              sock: socket.socket, publisher: Any = None) -> None:
-    app = create_app(store, server_config)
+class Served:
+    """The app being served on a socket; `close()` stops accepting, lets in-flight requests finish
+    (up to the config's shutdown_timeout_s) and runs the app's cleanup (its thread pool)."""
+
+    def __init__(self, app: web.Application, runner: web.AppRunner, sock: socket.socket):
+        self.app, self.runner, self.sock = app, runner, sock
+
+    @property
+    def url(self) -> str:
+        host, port = self.sock.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def serve_app(store: Any, config: ServerConfig, sock: socket.socket, *, publisher: Any = None,
+                    keepalive_timeout_s: float = 75.0, access_log: logging.Logger | None = None,
+                    before_listening: Any = None) -> Served:
+    """Serve the app around `store` on the bound socket `sock` (`listen_socket`) until `close()`.
+    `publisher`: a started KV-events publisher, whose counters /metrics then shows;
+    `before_listening`: called once the app is set up, before the first connection is accepted."""
+    app = create_app(store, config)
     if publisher is not None:
         app[METRICS].watch_kv_events(publisher)
-    access_log = logging.getLogger("aiohttp.access") if server_config.log_level == "debug" else None
-    runner = web.AppRunner(app, handle_signals=False, access_log=access_log,
-                           shutdown_timeout=server_config.shutdown_timeout_s)
+    runner = web.AppRunner(app, handle_signals=False, access_log=access_log, keepalive_timeout=keepalive_timeout_s,
+                           shutdown_timeout=config.shutdown_timeout_s)
     await runner.setup()
-    _settle_collector()
     try:
-        await ConnectionLimitedSite(runner, sock, max_connections=server_config.max_connections).start()
+        if before_listening is not None:
+            before_listening()
+        await ConnectionLimitedSite(runner, sock, max_connections=config.max_connections).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return Served(app, runner, sock)
+
+
+async def _serve_until_signal(store: object, store_config: StoreConfig, server_config: ServerConfig,
+                              sock: socket.socket, publisher: Any = None) -> None:
+    access_log = logging.getLogger("aiohttp.access") if server_config.log_level == "debug" else None
+    served = await serve_app(store, server_config, sock, publisher=publisher, access_log=access_log,
+                             before_listening=_settle_collector)
+    try:
         line = describe(store_config, server_config, sock)
         if publisher is not None:
             replay = f", replay {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
@@ -151,7 +187,7 @@ async def _serve_until_signal(store: object, store_config: StoreConfig, server_c
         await stop.wait()
         log.info("shutting down: finishing in-flight requests")
     finally:
-        await runner.cleanup()  # stop accepting, drain in-flight, app cleanup (thread pool)
+        await served.close()  # stop accepting, drain in-flight, app cleanup (thread pool)
 
 
 def _settle_collector() -> None:

@@ -1,8 +1,10 @@
-"""A sidecar inside this process: the real aiohttp app on a loopback port, served from a thread.
+"""A sidecar inside this process: the real app on a loopback port, served from a thread.
 
-`kvstore demo` and `bench/ttft.py` use it when no `--server` is given, so the decode loop still
-goes through HTTP and `KVStoreClient`, exactly as it would against `kvstore serve`. It is not a
-production server (that is `kvstore serve`): no signals, no auth, one event loop thread.
+`kvstore demo` and `bench/ttft.py` use it when no `--server` is given, and so does the vLLM
+connector's loopback sidecar, so the decode loop still goes through HTTP and `KVStoreClient`,
+exactly as it would against `kvstore serve`: it is served by the same function
+(api/server.py `serve_app`: the connection limit, the fast path). It is not a production server
+(that is `kvstore serve`): no signals, no auth, one event loop thread.
 """
 from __future__ import annotations
 
@@ -23,37 +25,33 @@ class InProcessSidecar:
 
         self._loop = loop_factory("auto")()  # the loop `kvstore serve` runs on (uvloop when installed)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="kvstore-sidecar")
-        self._runner: Any = None
+        self._served: Any = None
         self._store: Any = None
+        self._sock: Any = None
 
     def __enter__(self) -> str:
-        from aiohttp import web
-
-        from kvstore.api.app import create_app
         from kvstore.api.config import ServerConfig
+        from kvstore.api.server import listen_socket, serve_app
         from kvstore.store import KVStore
 
+        config = ServerConfig(host="127.0.0.1", port=0)  # port 0: a free one, named by the socket
+        self._sock = listen_socket(config)
         self._store = KVStore(self.store_config)
-        config = ServerConfig(host="127.0.0.1", port=0)
-
-        async def start() -> int:
-            self._runner = web.AppRunner(create_app(self._store, config), access_log=None)
-            await self._runner.setup()
-            await web.TCPSite(self._runner, config.host, 0).start()
-            return self._runner.addresses[0][1]  # port 0: the runner knows which one was bound
-
         self._thread.start()
-        port = asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=30)
-        self.url = f"http://127.0.0.1:{port}"
+        self._served = asyncio.run_coroutine_threadsafe(serve_app(self._store, config, self._sock),
+                                                        self._loop).result(timeout=30)
+        self.url = self._served.url
         return self.url
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self._runner is not None:
-                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+            if self._served is not None:
+                asyncio.run_coroutine_threadsafe(self._served.close(), self._loop).result(timeout=30)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._loop.close()
+            if self._sock is not None:
+                self._sock.close()
             if self._store is not None:
                 self._store.close()

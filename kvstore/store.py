@@ -107,7 +107,7 @@ class KVStore:
     # -- models ----------------------------------------------------------------------------
     def register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> ModelSpec:
         """Register `model` with `spec`; idempotent. A different spec raises ModelConflict."""
-        self.register_model_created(model, spec, tenant=tenant)
+        self._register_model(model, spec, tenant=tenant)
         return spec
 
     def get_spec(self, model: str, *, tenant: str | None = None) -> ModelSpec:
@@ -142,16 +142,11 @@ class KVStore:
         with self._lock:
             self._placement.learn_later(on)
 
-    def catch_up(self, blocking: bool = True) -> bool:
-        """Do the learning `learn_later` held back. False if `blocking` is False and another
-        thread holds the store's lock (nothing was done)."""
-        if not self._lock.acquire(blocking):
-            return False
-        try:
+    def catch_up(self) -> None:
+        """Do the learning `learn_later` held back. (The sidecar's loop, which must not wait for
+        the lock, catches up through its adapter: api/loop_store.py.)"""
+        with self._lock:
             self._placement.catch_up()
-        finally:
-            self._lock.release()
-        return True
 
     def _model(self, model: str, tenant: str | None) -> Model:
         # No lock: a registry read is one dict lookup, and registrations are only ever replaced whole.
@@ -195,7 +190,7 @@ class KVStore:
         `into`: a flat uint8 CPU tensor the answer is written into (then `kv` views its first
         bytes) when it is large enough; a fresh tensor otherwise. The sidecar passes a region of
         a client's shared memory here, an engine its own staging buffer."""
-        return self.plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, device=device, into=into).run()
+        return self._plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, device=device, into=into).run()
 
     def _fetch(self, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
                count: bool = True, into: torch.Tensor | None = None) -> FetchResult:
@@ -248,70 +243,20 @@ class KVStore:
         return blend_chunks(lambda key, spec, tb, dev: self._fetch(key, namespace, spec, tb, 0, dev), self.config,
                             root_key, entry.spec, tbs, start_pos, dev)
 
-    # -- what the sidecar uses: the event loop never waits, a fetch is planned once ---------
-    def unless_busy(self) -> "UnlessBusy":
-        """For a caller that must never wait (the sidecar's event loop), as `with store.unless_busy()
-        as free:` True, and the calling thread holds the store until the block ends, if no other
-        thread held it; False, and nothing held, if one did (it may be copying, promoting or
-        queueing disk writes).
-
-        Store calls inside the block take the lock again without waiting. The caller must only
-        do, inside, work that waits on nothing (no shared-tier probe, no disk, small copies:
-        `fetch_in_memory`, `stores_in_memory`): other threads wait for the block to end. A store
-        that would have to wait for pages another thread is writing raises `StoreBusy` instead,
-        having done nothing."""
-        return UnlessBusy(self._state)
-
-    @property
-    def has_shared_tier(self) -> bool:
-        """True with a Redis tier: lookup and fetch may then do network I/O (probing Redis)."""
-        return self._tiers.shared is not None
-
-    def stores_in_memory(self, nbytes: int) -> bool:
-        """Whether storing `nbytes` of new KV now would only copy into memory: write-back, a
-        memory top tier, and no eviction that writes a record tier (the disk writer's bounded
-        queue can block). Like `fetch_in_memory`, it lets the sidecar skip the thread hop."""
-        top = self._tiers.top
-        if self.config.durability != "write-back" or not self._tiers.keeps_slots(top):
-            return False
-        if self._tiers.memory_only:
-            return True  # evictions only drop pages
-        with self._lock:
-            return not self._placement.quotas and self._placement.fits(top, nbytes)
-
-    def register_model_created(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:
-        """Like register_model; True when this call created the registration (HTTP 201)."""
+    # -- what the sidecar's adapter calls (api/loop_store.py): not the embedder's surface -----
+    def _register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:
+        """register_model, True when this call created the registration (HTTP 201)."""
         check_model_name(model)
         if not isinstance(spec, ModelSpec):
             raise InvalidModelSpec(f"spec: expected a ModelSpec, got {type(spec).__name__}", field="spec")
         with self._lock:
             return self._registry.register(model, spec, tenant)[1]
 
-    def fetch_in_memory(self, model: str, tokens: Sequence[int], *, max_bytes: int, start: int = 0,
-                        tenant: str | None = None, salt: str | None = None,
-                        into: torch.Tensor | None = None) -> FetchResult | None:
-        """`fetch` (to the CPU), done only if it waits on nothing and returns at most `max_bytes`:
-        every page it would read is in a memory tier, no Redis probe is due and no other thread
-        holds the store. None otherwise, with nothing done or counted. For a caller on an event
-        loop, where the copy costs less than a hop to a pool thread and back."""
-        if self.has_shared_tier:
-            return None  # a fetch may probe Redis for pages past the local match
-        entry = self._model(model, tenant)
-        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
-        start = check_start(start, len(tb) // TOKEN_BYTES)
-        with self.unless_busy() as free:
-            plan = plan_fetch(self._state, _root(entry, salt), entry.spec, tb, start, CPU, into=check_into(into, CPU),
-                              memory_only_max_bytes=max_bytes) if free else None
-            return None if plan is None else plan.run()
-
-    def plan_fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-                   salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
+    def _plan_fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
+                    salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
         """What `fetch` would read, matched and pinned (after a shared-tier probe, if there is
-        one: I/O): `needs_io` says whether reading it waits on a record tier (disk, Redis),
-        `nbytes` how much it answers. `run()` it once, on any thread, for the FetchResult, or
-        `release()` it; `fetch` is `plan_fetch(...).run()`. The sidecar plans on its event loop
-        (inside `unless_busy`, without a shared tier) and runs a plan that needs I/O on a pool
-        thread, so the prompt is matched once."""
+        one: I/O); `fetch` is `_plan_fetch(...).run()`. The sidecar plans on its event loop and
+        runs a plan that needs I/O on a pool thread, so the prompt is matched once."""
         entry = self._model(model, tenant)
         root_key = _root(entry, salt)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
@@ -326,34 +271,6 @@ class KVStore:
     def stats(self) -> dict[str, Any]:
         """Per tier: pages, bytes, capacity, hits, misses, evictions; plus request counters."""
         return store_stats(self._state)
-
-
-class UnlessBusy:
-    """`KVStore.unless_busy`'s block: a non-blocking acquire of the store's lock, released at
-    the end of the block if it was taken; while it is held, the store must not wait
-    (`StoreState.must_not_wait`). (A class: a generator context manager costs a few times more,
-    on every request the event loop answers.)"""
-
-    __slots__ = ("state", "free", "outer")
-
-    def __init__(self, state: StoreState):
-        self.state = state
-        self.free = False
-        self.outer = False  # must_not_wait as this block found it (blocks may nest)
-
-    def __enter__(self) -> bool:
-        state = self.state
-        self.free = free = state.lock.acquire(blocking=False)
-        if free:
-            self.outer = state.must_not_wait
-            state.must_not_wait = True
-        return free
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.free:
-            state = self.state
-            state.must_not_wait = self.outer
-            state.lock.release()
 
 
 def _root(entry: Model, salt: str | None) -> bytes:

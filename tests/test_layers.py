@@ -12,6 +12,9 @@ function, except where a rule names its exception.
 - Only the CLI (kvstore/cli.py) imports the server, the client and the decode loop together.
 - The index, keys and policies import no torch, lmdb or aiohttp; no installed package imports
   bench/ or tests/ (neither is installed).
+- `KVStore`'s public methods are the embedder's (docs/design.md §7.1): the sidecar's event-loop
+  plumbing lives in the api's adapter (api/loop_store.py), the one file of api/ and decode/ that
+  reaches into the store's internals.
 
 `make lint` runs this file before the test suite.
 """
@@ -148,6 +151,36 @@ def test_the_index_keys_and_policies_import_no_torch_lmdb_or_aiohttp() -> None:
 def test_no_installed_package_imports_bench_or_tests() -> None:
     found = violations(sources(*PACKAGE_DIRS.values()), lambda m: m.split(".")[0] in ("bench", "tests"))
     assert not found, "bench/ and tests/ are not installed: nothing installed may import them:\n" + "\n".join(found)
+
+
+# What the sidecar's event loop needs from the store: never on KVStore's public surface.
+LOOP_PLUMBING = frozenset({"unless_busy", "plan_fetch", "fetch_in_memory", "stores_in_memory", "has_shared_tier",
+                           "register_model_created", "catch_up_unless_busy"})
+STORE_INTERNALS = frozenset({"_state", "_lock", "_index", "_registry", "_tiers", "_placement", "_plan_fetch",
+                             "_register_model", "_model", "_fetch"})
+LOOP_STORE = "api/loop_store.py"
+
+
+def test_kvstore_keeps_the_event_loops_plumbing_out_of_its_public_surface() -> None:
+    tree = ast.parse((REPO / "kvstore" / "store.py").read_text())
+    kvstore = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KVStore")
+    public = {n.name for n in kvstore.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and not n.name.startswith("_")}
+    found = sorted(public & LOOP_PLUMBING)
+    assert not found, f"KVStore's public surface carries the sidecar's plumbing ({LOOP_STORE} owns it): {found}"
+
+
+def test_only_the_loop_store_adapter_reaches_into_the_store() -> None:
+    found = []
+    for path in sources("api", "decode"):
+        rel = str(path.relative_to(REPO))
+        if rel == LOOP_STORE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in STORE_INTERNALS and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(f"{rel}:{node.lineno} reaches .{node.attr}")
+    assert not found, f"only {LOOP_STORE} uses the store's internals:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("source, path, forbidden, expected", [

@@ -56,7 +56,7 @@ store.store("m64", tokens128, torch.randn(spec64.kv_shape(128 * 16)).half())
 into = torch.zeros(4 << 20, dtype=torch.uint8)
 if store.fetch("m64", tokens64).matched_tokens != 16 or store.fetch("m512", tokens2m, into=into).matched_tokens != 64:
     raise SystemExit("the stored values do not come back")
-if store.plan_fetch("m64", tokens128).matched_tokens != len(tokens128):
+if store._plan_fetch("m64", tokens128).matched_tokens != len(tokens128):
     raise SystemExit("the 128-page value does not come back")
 nbytes = {"fetch-64KiB": 64 << 10, "store-64KiB": 64 << 10, "fetch-into-2MiB": 2 << 20,
           "plan-128-pages": 0}[case.removeprefix("memcpy-")]
@@ -67,7 +67,7 @@ ops = {
     "store-64KiB": lambda: store.store("m64", [next(counter)] * 16, kv64),
     "fetch-into-2MiB": lambda: store.fetch("m512", tokens2m, into=into),
     # A long prompt's planning without its copy: validation, match, pins, touches, unpins.
-    "plan-128-pages": lambda: store.plan_fetch("m64", tokens128).release(),
+    "plan-128-pages": lambda: store._plan_fetch("m64", tokens128).release(),
 }
 op = ops.get(case) or (lambda: np.copyto(dst, src))
 print("ready", os.getpid(), kvstore.__file__, flush=True)

@@ -10,15 +10,12 @@ from typing import Any
 
 import msgpack
 import torch
-from aiohttp import web
 from aiohttp.test_utils import TestClient
 from kv_tensors import random_kv as random_kv  # the sidecar tests take it from here
 
-from kvstore.api.app import create_app
 from kvstore.api.config import ServerConfig
-from kvstore.api.connection_limit import ConnectionLimitedSite
 from kvstore.api.event_loop import loop_factory
-from kvstore.api.server import listen_socket
+from kvstore.api.server import listen_socket, serve_app
 from kvstore import KVStore
 
 MAX_BODY_BYTES = 1 << 20
@@ -47,26 +44,25 @@ async def call(http: TestClient, method: str, path: str, body: Any = None, *,
 
 
 class LiveServer:
-    """The app on a real socket, served by an event loop in a background thread, through the
-    site `kvstore serve` uses (connection limit, and the fast path unless the config turns it off),
-    on the event loop the config names (uvloop when installed, by default, as `kvstore serve`)."""
+    """The app on a real socket, served by an event loop in a background thread, as `kvstore serve`
+    serves it (api/server.py `serve_app`: connection limit, and the fast path unless the config
+    turns it off), on the event loop the config names (uvloop when installed, by default)."""
 
     def __init__(self, store: KVStore, config: ServerConfig, *, keepalive_timeout_s: float = 75.0):
         self._loop = loop_factory(config.event_loop)()
-        self.app = create_app(store, config)
-        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=keepalive_timeout_s)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._call(self._runner.setup())
-        sock = listen_socket(dataclasses.replace(config, host="127.0.0.1", port=0))
-        self._call(ConnectionLimitedSite(self._runner, sock, max_connections=config.max_connections).start())
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._sock = listen_socket(dataclasses.replace(config, host="127.0.0.1", port=0))
+        self._served = self._call(serve_app(store, config, self._sock, keepalive_timeout_s=keepalive_timeout_s))
+        self.app = self._served.app
+        self.url = self._served.url
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
 
     def close(self) -> None:
-        self._call(self._runner.cleanup())
+        self._call(self._served.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+        self._sock.close()

@@ -178,9 +178,9 @@ def test_pipelined_requests_are_answered_in_order(served: LiveServer, spec: Mode
     assert status == 200 and answer["matched_tokens"] == 8 and bytes(answer["kv"]) == kv_bin(kv[:, :, 4:8])
 
 
-def test_a_request_waits_for_the_one_aiohttp_is_answering(store: KVStore, spec: ModelSpec):
-    """A lookup the fast path could answer arrives while aiohttp's store of the same tokens is on a
-    pool thread: it is answered after the store, and sees its pages."""
+def test_a_request_waits_for_the_one_answered_on_a_pool_thread(store: KVStore, spec: ModelSpec):
+    """A lookup the fast path could answer on the loop arrives while a store of the same tokens is
+    on a pool thread: it is answered after the store, and sees its pages."""
     server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, inline_copy_bytes=0))
     store_now = store.store
 

@@ -22,7 +22,7 @@ from kvstore.api.client import KVStoreClient
 from kvstore.api.client_arena import ALIGN_BYTES, ClientArena
 from kvstore.api.config import ServerConfig
 from kvstore.api.shared_memory import HEADER_BYTES, SECRET_BYTES
-from kvstore import KVStore, ModelSpec, StoreConfig
+from kvstore import ModelSpec
 from kvstore.errors import InvalidRequest
 
 
@@ -239,23 +239,6 @@ def test_arena_size_is_validated():
         ClientArena(100)
 
 
-def test_fetch_in_memory_only_serves_what_needs_no_io(store, spec: ModelSpec, tmp_path):
-    store.register_model("m", spec)
-    kv = random_kv(spec, 8)
-    store.store("m", list(range(8)), kv)
-    into = torch.empty(4096, dtype=torch.uint8)
-    result = store.fetch_in_memory("m", list(range(8)), max_bytes=4096, start=4, into=into)
-    assert result is not None and torch.equal(result.kv, kv[:, :, 4:]) and result.kv.data_ptr() == into.data_ptr()
-    fetches = store.stats()["fetches"]
-    assert store.fetch_in_memory("m", list(range(8)), max_bytes=4 * spec.bytes_per_token - 1, start=4) is None
-    assert store.stats()["fetches"] == fetches  # refused: nothing done, nothing counted
-    with KVStore(StoreConfig(data_dir=str(tmp_path / "disk-only"), cpu_bytes=0, disk_bytes=32 << 20)) as disk_only:
-        disk_only.register_model("m", spec)
-        disk_only.store("m", list(range(8)), kv)
-        assert disk_only.fetch_in_memory("m", list(range(8)), max_bytes=1 << 20) is None  # LMDB: not on the loop
-        assert torch.equal(disk_only.fetch("m", list(range(8))).kv, kv)
-
-
 def test_fetch_into_a_buffer_too_small_or_wrong_is_clear(store, spec: ModelSpec):
     store.register_model("m", spec)
     kv = random_kv(spec, 8)
@@ -310,7 +293,7 @@ def test_a_broken_exchange_never_reuses_its_region(live_server, spec: ModelSpec,
 def test_a_closed_connection_unmaps_its_arena(live_server, spec: ModelSpec):
     from kvstore.api.context import SHARED_MEMORY
 
-    arenas = live_server._runner.app[SHARED_MEMORY]
+    arenas = live_server.app[SHARED_MEMORY]
 
     async def registered() -> int:
         gc.collect()

@@ -25,7 +25,7 @@ def test_a_page_lost_under_two_fetches_leaves_both_finishing_and_the_sequence_st
 
     store = make_store(cpu_bytes=0)
     store.register_model("m", spec)
-    first, second = store.plan_fetch("m", tokens), store.plan_fetch("m", tokens)
+    first, second = store._plan_fetch("m", tokens), store._plan_fetch("m", tokens)
     assert first.matched_tokens == second.matched_tokens == 12
     assert first.run().matched_tokens == 0  # the corrupt page is a miss, never wrong KV
     second.release()

@@ -11,6 +11,7 @@ import threading
 import torch
 
 from kvstore import ModelSpec
+from kvstore.api.loop_store import LoopStore
 from kvstore.errors import StoreBusy
 
 # 64 KiB pages: each page's copy into the CPU tier takes long enough for other threads to
@@ -73,7 +74,7 @@ def test_a_lookup_after_a_concurrent_store_returns_sees_what_it_acknowledged(mak
 
 
 def test_a_store_that_must_not_wait_refuses_pages_in_flight_and_does_nothing(make_store):
-    # Inside unless_busy (the sidecar's event loop) a store that meets pages another thread is
+    # Inside LoopStore.unless_busy (the sidecar's event loop) a store that meets pages another thread is
     # writing raises StoreBusy instead of waiting; run again outside, it acknowledges them all.
     spec = ModelSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)  # 512 KiB pages
     store = make_store(cpu_bytes=512 << 20, disk_bytes=0)
@@ -87,7 +88,7 @@ def test_a_store_that_must_not_wait_refuses_pages_in_flight_and_does_nothing(mak
         writer.start()
         while store.stats()["pages"] == pages_before and writer.is_alive():
             pass  # until the writer has planned its pages (in the tree, not yet readable)
-        with store.unless_busy() as free:
+        with LoopStore(store).unless_busy() as free:
             assert free
             in_flight = store.lookup("m", tokens).matched_tokens == 0
             stores = store.stats()["stores"]
