@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.config import ModelSpec
-from kvstore.copy import copy_into
+from kvstore.host_copy import copy_into
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Sequence, Union
 import torch
 
 from kvstore.gpu import runtime
+from kvstore.gpu.dtypes import BITS_DTYPES
 
 PagedKV = Union[torch.Tensor, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
 _THREADS = 256
@@ -102,13 +103,10 @@ def _layer_views(cache: PagedKV, layout: PagedLayout) -> list[torch.Tensor]:
     return [cache[:, layer, kv] for layer in range(layout.num_layers) for kv in (0, 1)]
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The same bytes as integers: copies are bit-exact and work for every dtype (fp8 included,
     whose index kernels torch does not always have)."""
-    return t.view(_BITS[t.dtype.itemsize])
+    return t.view(BITS_DTYPES[t.dtype.itemsize])
 
 
 def gather_pages_ref(cache: PagedKV, block_ids: torch.Tensor | Sequence[int],

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.gpu import runtime
-from kvstore.gpu.dtypes import KV_DTYPE_NAMES
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES, KV_DTYPES
 
 FORMATS = ("int8", "fp8")
 QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -39,7 +39,7 @@ def _check_format(fmt: str) -> None:
 
 def _check_kv_dtype(dtype: torch.dtype, name: str) -> None:
     if dtype not in KV_DTYPE_NAMES:
-        raise ValueError(f"{name}: dtype must be float16, bfloat16 or float32, got {dtype}")
+        raise ValueError(f"{name}: dtype must be one of {', '.join(KV_DTYPES)}, got {dtype}")
 
 
 def bf16_round_up(x: torch.Tensor) -> torch.Tensor:

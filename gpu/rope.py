@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from kvstore.gpu import runtime
-from kvstore.gpu.dtypes import KV_DTYPE_NAMES
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES, KV_DTYPES
 
 STYLES = ("neox", "gptj")
 SHIFT_INVARIANT_SCALINGS = ("default", "linear", "llama3")
@@ -94,7 +94,7 @@ def _check(x: torch.Tensor, style: str, name: str) -> None:
     if style not in STYLES:
         raise ValueError(f"style: must be one of {', '.join(STYLES)}; got {style!r}")
     if x.dtype not in KV_DTYPE_NAMES:
-        raise ValueError(f"{name}: dtype must be float16, bfloat16 or float32, got {x.dtype}")
+        raise ValueError(f"{name}: dtype must be one of {', '.join(KV_DTYPES)}, got {x.dtype}")
     if x.dim() < 3:
         raise ValueError(f"{name}: expected (..., T, H, D), got shape {tuple(x.shape)}")
 

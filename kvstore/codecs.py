@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from kvstore.config import ModelSpec
-from kvstore.copy import copy_into
+from kvstore.host_copy import copy_into
 from kvstore.gpu.dtypes import KV_DTYPES as TORCH_DTYPES  # name -> torch dtype of a page's KV
 
 

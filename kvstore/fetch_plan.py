@@ -22,7 +22,8 @@ import torch
 
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
-from kvstore.copy import NUMPY_DTYPES, copy_into
+from kvstore.gpu.dtypes import NUMPY_DTYPES
+from kvstore.host_copy import copy_into
 from kvstore.host_memory import empty_host_bytes
 from kvstore.index import TOKEN_BYTES, Node
 from kvstore.results import FetchResult

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from kvstore.config import ModelSpec
-from kvstore.copy import copy_bytes, host_array, host_bytes
 from kvstore.errors import InsufficientStorage, StoreBusy
+from kvstore.host_copy import copy_bytes, host_array, host_bytes
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
 from kvstore.results import FetchResult, StoreResult

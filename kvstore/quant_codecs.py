@@ -23,7 +23,7 @@ from kvstore.gpu.runtime import kernels_available
 from kvstore.codecs import CODECS, TORCH_DTYPES
 from kvstore.config import ModelSpec
 
-_SCALE_BYTES = 2  # bfloat16
+_SCALE_BYTES = quant.SCALE_DTYPE.itemsize
 
 
 class _QuantCodec:

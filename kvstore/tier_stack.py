@@ -189,7 +189,7 @@ class TierStack:
 
     def promote(self, spec: ModelSpec, node: Node, kv: Any) -> None:
         """Copy a page served by a lower tier into the top tier (under the lock). `kv`: its KV
-        (L, 2, n, H, D) as a tensor, or as a numpy view of the fetch answer (kvstore/copy.py
+        (L, 2, n, H, D) as a tensor, or as a numpy view of the fetch answer (gpu/dtypes.py
         NUMPY_DTYPES), which a `raw_host` top tier takes with one numpy copy."""
         top = self.top
         if top in node.tiers or not self.tiers[top].keeps_slots or not node.ready:

@@ -57,7 +57,8 @@ def check_in_child(path: str) -> str | None:
     """None if the environment opens and every B-tree page reads; else what went wrong."""
     # The child imports the kvstore this process runs: put the folder that holds the `kvstore`
     # package first on its path (site-packages when installed, the checkout when editable), never
-    # the package folder itself, whose copy.py would shadow the standard library's.
+    # the package folder itself, whose modules would be found there as top-level modules and
+    # shadow any of the same name (the standard library's, an installed package's).
     import kvstore
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(kvstore.__file__)))

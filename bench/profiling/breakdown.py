@@ -115,7 +115,7 @@ FILE_RULES = [
     ("tiers/slots.py", "placement and policy bookkeeping"),
     ("tiers/cpu.py", "placement and policy bookkeeping"),
     ("tiers/base.py", "placement and policy bookkeeping"),
-    ("kvstore/copy.py", "copy"),
+    ("kvstore/host_copy.py", "copy"),
     ("kvstore/results.py", "tensor and result objects"),
     ("kvstore/host_memory.py", "tensor and result objects"),
     ("kvstore/codecs.py", "tensor and result objects"),

@@ -1,7 +1,8 @@
 """The disk tier's start check runs in a child process, which must import the same kvstore as the
 parent in an installed layout too (one `kvstore/` folder holding api/, tiers/, ...), where the
-package folder itself must never be on the child's path: its copy.py shadows the standard
-library's, the child dies, and every healthy disk tier would be moved aside as damaged."""
+package folder itself must never be on the child's path: its modules would shadow any of the
+same name (the standard library's), the child could die, and every healthy disk tier would be
+moved aside as damaged."""
 from __future__ import annotations
 
 import os

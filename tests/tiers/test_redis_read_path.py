@@ -12,7 +12,7 @@ from redis_helpers import RedisServer
 from test_redis_tier import record
 
 from kvstore import KVStore, ModelSpec, StoreConfig
-from kvstore.copy import copy_into
+from kvstore.host_copy import copy_into
 from kvstore.tiers.disk_record import CorruptRecord
 from kvstore.tiers.redis_reader import pack_gets
 from kvstore.tiers.redis_record import decode_value, encode_value

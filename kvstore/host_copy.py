@@ -1,42 +1,26 @@
-"""One tensor copy for the store's hot paths, without torch's intra-op thread pool.
+"""Host copies for the store's hot paths, done by numpy on the calling thread instead of torch's
+intra-op thread pool.
 
 torch parallelises a large CPU copy over its OpenMP threads. On a machine whose cores are busy
 (a sidecar next to an engine, a shared CI box) a parallel region waits for descheduled threads,
 and a small copy takes milliseconds instead of microseconds. numpy's copy is one memcpy-speed loop on
 the calling thread and releases the GIL, so concurrent requests still copy in parallel. Device
-copies, and dtypes numpy lacks (bfloat16 is viewed as int16), go through torch as usual.
+copies go through torch as usual; dtypes numpy lacks (bfloat16) are copied as their bits
+(kvstore/gpu/dtypes.py `BITS_DTYPES`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from kvstore.gpu.dtypes import KV_DTYPES
-
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Dtypes numpy holds as they are; numpy copies same-dtype arrays as raw bytes, so a view as an
-# integer type (a third of a small page's copy time, in torch's per-call overhead) is not needed.
-_NUMPY_NATIVE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                 torch.float16, torch.float32, torch.float64}
-
-
-
-
-def _numpy_view_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype `host_array` gives a CPU tensor of `dtype`."""
-    return torch.empty(0, dtype=dtype if dtype in _NUMPY_NATIVE else _SAME_WIDTH_INT[dtype.itemsize]).numpy().dtype
-
-
-# The numpy dtype `host_array` gives a tensor of each model dtype (ModelSpec.dtype): bfloat16,
-# which numpy lacks, as its bits (int16), so copies stay bit-exact.
-NUMPY_DTYPES: dict[str, np.dtype] = {name: _numpy_view_dtype(dtype) for name, dtype in KV_DTYPES.items()}
+from kvstore.gpu.dtypes import BITS_DTYPES, NUMPY_NATIVE
 
 
 def host_array(t: torch.Tensor) -> np.ndarray | None:
-    """`t` as a numpy array sharing its memory (bfloat16 as int16: `NUMPY_DTYPES`) when it is on
-    the CPU, else None. The store's per-page copies slice these: a numpy view is several times
-    cheaper to make than a torch view (docs/performance.md)."""
-    if t.is_cpu and not t.requires_grad and (t.dtype in _NUMPY_NATIVE or t.element_size() in _SAME_WIDTH_INT):
+    """`t` as a numpy array sharing its memory (bfloat16 as int16: gpu/dtypes.py `NUMPY_DTYPES`)
+    when it is on the CPU, else None. The store's per-page copies slice these: a numpy view is
+    several times cheaper to make than a torch view (docs/performance.md)."""
+    if t.is_cpu and not t.requires_grad and (t.dtype in NUMPY_NATIVE or t.element_size() in BITS_DTYPES):
         return _as_numpy(t)
     return None
 
@@ -52,9 +36,11 @@ def host_bytes(t: torch.Tensor) -> np.ndarray | None:
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    if t.dtype in _NUMPY_NATIVE:
+    # numpy copies same-dtype arrays as raw bytes, so a dtype numpy has is not viewed as an
+    # integer type first (torch's per-call overhead is a good part of a small page's copy).
+    if t.dtype in NUMPY_NATIVE:
         return t.numpy()
-    return t.view(_SAME_WIDTH_INT[t.element_size()]).numpy()
+    return t.view(BITS_DTYPES[t.element_size()]).numpy()
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
@@ -68,7 +54,7 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[...] = src for tensors of the same shape and dtype (any strides)."""
     if dst.is_cpu and src.is_cpu and dst.dtype == src.dtype \
-            and dst.element_size() in _SAME_WIDTH_INT and not dst.requires_grad:
+            and dst.element_size() in BITS_DTYPES and not dst.requires_grad:
         np.copyto(_as_numpy(dst), _as_numpy(src), casting="no")
     else:
         dst.copy_(src)
