@@ -1,7 +1,7 @@
 """A fetch, planned once: match and pin under the store's lock, then read the pages outside it.
 
     plan_fetch (under the lock)  match the prompt, count, touch and pin every matched page, and
-                                 note where each page is read from: a slot (memory) or a record
+                                 note where each page is read from: its slot (memory) or a record
                                  (disk, Redis: I/O). The plan says whether it `needs_io`.
     FetchPlan.run (any thread)   decode the pages into one answer tensor, then (under the lock)
                                  promote lower-tier hits to the top tier and unpin.
@@ -17,6 +17,8 @@ atomic one-shot), so a plan given up while a thread starts running it is unpinne
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 
@@ -28,14 +30,14 @@ from kvstore.host_memory import empty_host_bytes
 from kvstore.index import TOKEN_BYTES, Node
 from kvstore.results import FetchResult
 from kvstore.store_state import StoreState, empty_kv
-from kvstore.tiers.base import PageRecord
+from kvstore.tiers.base import PageRecord, Slot
 from kvstore.tiers.redis_landing import Landing
 from kvstore.validation import on_cpu
 
-# (page, first token, tokens used, tier, source). The source: a raw page in host memory as its
-# slot's (offset, size) in the tier's numpy buffer (`TierStack.raw_buffers`: copied with numpy),
-# an encoded slot (its codec decodes it), or None: a record, read from its record tier (I/O).
-Read = tuple[Node, int, int, str, "tuple[int, int] | torch.Tensor | None"]
+# (page, first token, tokens used, tier, slot). The slot: where the page lies in its slot tier
+# (raw pages in host memory, `TierStack.raw_buffers`, are copied from there with numpy; any other
+# is decoded by its tier's codec), or None: a record, read from its record tier (I/O).
+Read = tuple[Node, int, int, str, Slot | None]
 
 
 class FetchPlan:
@@ -84,6 +86,8 @@ class FetchPlan:
         row_bytes = spec.bytes_per_token // rows  # one token's bytes in one (layer, K or V) row
         out_array: np.ndarray | None = None
         out_rows: np.ndarray | None = None
+        tiers = state.tiers
+        raw_buffers: dict[str, np.ndarray] = {}  # tiers whose pages are copied as bytes: none into a GPU answer
         if on_cpu(dev):
             into = self.into
             nbytes = self.nbytes
@@ -93,9 +97,9 @@ class FetchPlan:
             out = torch.from_numpy(out_array)
             if out.dtype != dtype:
                 out = out.view(dtype)  # bfloat16, which numpy holds as its bits
+            raw_buffers = tiers.raw_buffers
         else:
             out = torch.empty(shape, dtype=dtype, device=dev)
-        tiers = state.tiers
         top = tiers.top
         promote: list[tuple[Node, torch.Tensor | np.ndarray]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
@@ -105,17 +109,18 @@ class FetchPlan:
         reads = self.reads
         copied = 0  # the reads before this one are in the answer already
         try:
-            for i, (node, first, used, tier, src) in enumerate(reads):
+            for i, (node, first, used, tier, slot) in enumerate(reads):
                 lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
                 a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
-                if src.__class__ is tuple and out_rows is not None:  # a raw page in host memory
+                if tier in raw_buffers:  # a raw page in host memory (so `out_rows` is the answer's)
                     if i >= copied:
-                        copied = copy_raw_pages(reads, i, start, tiers.raw_buffers, out_rows, row_bytes)
-                    page: torch.Tensor | bool | None = True
+                        assert out_rows is not None
+                        copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes)
+                    page: torch.Tensor | Literal[True] | None = True
                 else:
                     whole = lo == first and used == node.num_tokens
                     record = None
-                    if src is None:
+                    if slot is None:
                         if node.key not in records:
                             if stream is None:  # payloads land in the answer where they can
                                 stream = tiers.record_batches(self.reads, spec, out if out_array is None else out_array,
@@ -125,8 +130,7 @@ class FetchPlan:
                     if record is not None and record.payload.__class__ is Landing:
                         page = True  # landed in the answer, its header checked against this page (record_batches)
                     else:
-                        page = tiers.read_page(spec, node, tier, src, record, whole=whole,  # type: ignore[arg-type]
-                                               out=out[:, :, a:b])
+                        page = tiers.read_page(spec, node, tier, slot, record, whole=whole, out=out[:, :, a:b])
                     if page is None:  # the copy went bad (corrupt, evicted, unreachable): serve what came before it
                         lost.append((node, tier))
                         matched = first
@@ -134,9 +138,10 @@ class FetchPlan:
                     if page is not True:
                         copy_into(out[:, :, a:b], page[:, :, lo - first:used])
                 if tier != top and promote_on_hit and lo == first:
-                    # A raw host top tier takes the numpy view with one copy (TierStack.promote).
-                    promote.append((node, (out[:, :, a:b] if out_array is None else out_array[:, :, a:b])  # type: ignore[arg-type]
-                                    if page is True else page))
+                    if page is True:  # in the answer: a raw host top tier takes its numpy view with one copy
+                        promote.append((node, out[:, :, a:b] if out_array is None else out_array[:, :, a:b]))
+                    elif page is not None:  # decoded whole on its own
+                        promote.append((node, page))
         finally:
             with state.lock:
                 for node, kv in promote:
@@ -174,7 +179,9 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
     and with it, in the same numpy call, the whole pages after it that lie right after it in the
     same buffer (a sequence stored at once usually does): -> the index of the first read not
     copied. Slot ranges come from the plan: the pages are pinned."""
-    node, first, used, tier, (offset, size) = reads[i]
+    node, first, used, tier, slot = reads[i]
+    assert slot is not None, "a raw page is read from its slot"
+    offset, size = slot
     n = len(node.tokens) // TOKEN_BYTES
     rows = out_rows.shape[0]
     page_width = n * row_bytes  # a page's bytes in one row
@@ -185,9 +192,9 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
     if lo == first and used == n and size == rows * page_width:  # whole, and its slot is exactly its bytes
         end = offset + size
         while j < len(reads):  # whole pages of the same size at the next offsets (full pages: only a tail is short)
-            _, _, next_used, next_tier, next_src = reads[j]
-            if next_src.__class__ is not tuple or next_src[0] != end or next_src[1] != size \
-                    or next_tier != tier or next_used != n:
+            _, _, next_used, next_tier, next_slot = reads[j]
+            if next_tier != tier or next_slot is None or next_slot[0] != end or next_slot[1] != size \
+                    or next_used != n:
                 break
             end += size
             j += 1
@@ -231,12 +238,11 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
         reads: list[Read] = []
         needs_io = False
         offset = 0
-        host = on_cpu(dev)
         matched = match.matched_tokens
         path = match.path
         placement.pin_all(path)
         placement.touch_all(path, clock)  # before this request's hits count (a policy reads them)
-        source_tier, usage = tiers.source_tier, placement.usage
+        source_tier, slot_of, usage = tiers.source_tier, tiers.slot, placement.usage
         for node in path:
             used = len(node.tokens) // TOKEN_BYTES
             if used > matched - offset:
@@ -245,10 +251,9 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
             if offset + used > start:
                 usage[tier].hits += 1
                 node.hits += 1
-                src = tiers.raw_slot(tier, node.key) if host else None
-                if src is None:
-                    src = tiers.slot(tier, node.key)
-                    needs_io = needs_io or src is None
-                reads.append((node, offset, used, tier, src))
+                slot = slot_of(tier, node.key)
+                if slot is None:  # a record
+                    needs_io = True
+                reads.append((node, offset, used, tier, slot))
             offset += used
         return FetchPlan(state, spec, start, dev, into, count, path, reads, matched, needs_io)

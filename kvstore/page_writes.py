@@ -25,7 +25,7 @@ that fails midway removes the room it reserved and leaves the cached pages as th
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
 from kvstore.results import FetchResult, StoreResult
 from kvstore.store_state import StoreState
-from kvstore.tiers.base import PageRecord, WriteTicket
+from kvstore.tiers.base import PageRecord, Slot, WriteTicket
 
 # (root key, spec, token bytes, start, device, count) -> the cached KV of tokens [start:] of them
 FetchHead = Callable[[bytes, ModelSpec, bytes, int, torch.device, bool], FetchResult]
@@ -60,7 +60,7 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
         kv = torch.cat([head.kv.to(kv.device), kv], dim=2)
         start = page_start
     tiers, placement, index = state.tiers, state.placement, state.index
-    writes: list[tuple[Node, str, Any, int, int]] = []  # (page, tier, slot (tensor or numpy view) or None, first, end)
+    writes: list[tuple[Node, str, Slot | None, int, int]] = []  # (page, tier, its slot or None (a record), first, end)
     path: list[Node] = []
     stored_tokens = 0
     with state.lock:
@@ -119,28 +119,36 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     shares: list[tuple[Node, PageRecord]] = []  # write-through to Redis: other sidecars see them
     ok = False
     token_bytes = spec.bytes_per_token
-    # A raw page in host memory (a numpy slot) is copied in by numpy: from contiguous KV as bytes
-    # (all of it, or the page's run of each row, a row being a layer's K or V), from strided KV
-    # through a typed view. Any other page goes through its tier's codec.
+    # A raw page in host memory (a slot of `raw_buffers`) is copied in by numpy: from contiguous
+    # KV as bytes (all of it, or the page's run of each row, a row being a layer's K or V), from
+    # strided KV through a typed view. Any other page goes through its tier's codec.
     kv_bytes = host_bytes(kv) if writes else None
     kv_array = host_array(kv) if writes and kv_bytes is None else None
+    raw_buffers = tiers.raw_buffers if kv_bytes is not None or kv_array is not None else {}
     rows = 2 * spec.num_layers
+    row_token_bytes = token_bytes // rows
     kv_rows = None
     try:
         for node, tier, slot, s, e in writes:
-            if slot.__class__ is np.ndarray and kv_bytes is not None:
-                if s == start and e == n_tokens:  # the page is all of kv
-                    copy_bytes(slot[:kv_bytes.size], kv_bytes)
+            buffer = raw_buffers.get(tier)
+            if buffer is not None and slot is not None:
+                offset = slot[0]
+                dst = buffer[offset:offset + (e - s) * token_bytes]
+                if kv_bytes is None:
+                    assert kv_array is not None
+                    np.copyto(dst.view(kv_array.dtype).reshape(spec.kv_shape(e - s)),
+                              kv_array[:, :, s - start:e - start], casting="no")
+                elif s == start and e == n_tokens:  # the page is all of kv
+                    copy_bytes(dst, kv_bytes)
                 else:
                     if kv_rows is None:
-                        kv_rows, row_token_bytes = kv_bytes.reshape(rows, -1), token_bytes // rows
-                    copy_bytes(slot[:(e - s) * token_bytes].reshape(rows, -1),
+                        kv_rows = kv_bytes.reshape(rows, -1)
+                    copy_bytes(dst.reshape(rows, -1),
                                kv_rows[:, (s - start) * row_token_bytes:(e - start) * row_token_bytes])
-            elif slot.__class__ is np.ndarray and kv_array is not None:
-                np.copyto(slot[:(e - s) * token_bytes].view(kv_array.dtype).reshape(spec.kv_shape(e - s)),
-                          kv_array[:, :, s - start:e - start], casting="no")
             else:
-                durable.append(tiers.put_page(spec, node, tier, kv=kv[:, :, s - start:e - start], slot=slot))  # type: ignore[arg-type]
+                ticket = tiers.put_page(spec, node, tier, kv=kv[:, :, s - start:e - start], slot=slot)
+                assert ticket is not None, "a page with its room reserved is written"
+                durable.append(ticket)
             if shared is not None and tier != shared.name and shared.available:
                 shares.append((node, tiers.record(spec, node, shared.name, kv=kv[:, :, s - start:e - start])))
         ok = True
@@ -163,9 +171,10 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
                 else:
                     placement.remove_from(node, tier)
             for node, record in shares:  # queued, never waited for: Redis must not slow stores
-                if ok and node.ready and node.tiers and shared.name not in node.tiers:  # type: ignore[union-attr]
-                    placement.add(node, shared.name, tiers.size_in(node, shared.name))  # type: ignore[union-attr]
-                    shared.put(record)  # type: ignore[union-attr]
+                assert shared is not None
+                if ok and node.ready and node.tiers and shared.name not in node.tiers:
+                    placement.add(node, shared.name, tiers.size_in(node, shared.name))
+                    shared.put(record)
             if ok:
                 state.counters["stored_pages"] += len(writes)
                 # Acknowledge only what a lookup can match now: a page of the path that lost its

@@ -9,15 +9,18 @@ outside it on pinned pages.
 
 Top to bottom, the tiers of `TIER_TYPES` the config asks for: gpu (if `gpu_bytes`), cpu (if
 `cpu_bytes`), disk (if `disk_bytes`), redis (if `redis_url`). Every tier is driven through the
-interface of tiers/base.py; the one branch between slot tiers (encoded pages in preallocated
-slots) and record tiers (self-describing records) is in `put_page` and `slot`.
+interface of tiers/base.py only; the stack keeps them by kind (`slot_tiers`, `record_tiers`), and
+the one branch between slot tiers (encoded pages in preallocated slots) and record tiers
+(self-describing records) is in `put_page` and `slot`. A slot is a byte range of its tier's
+buffer (tiers/base.py `Slot`); in a tier that keeps raw pages in host memory (`raw_buffers`) the
+store copies a page's bytes with numpy, anywhere else through the tier's codec and `view`.
 """
 from __future__ import annotations
 
 import logging
 import warnings
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import numpy as np
 import torch
@@ -28,7 +31,8 @@ from kvstore.config import ModelSpec, StoreConfig
 from kvstore.index import Node, PageIndex
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
-from kvstore.tiers.base import UNBOUNDED_BYTES, WRITTEN, PageRecord, RecordTier, SlotTier, Tier, TierFull, WriteTicket
+from kvstore.tiers.base import (UNBOUNDED_BYTES, WRITTEN, PageRecord, RecordTier, Slot, SlotTier, Tier, TierFull,
+                                WriteTicket)
 from kvstore.tiers.cpu import CPUTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GPUTier
@@ -52,12 +56,20 @@ class TierStack:
         self.registry = registry
         self.placement: Placement  # set by the store once placement exists (it needs this mover)
         self.tiers: dict[str, Tier] = {}  # by name, top first
+        self.slot_tiers: dict[str, SlotTier] = {}  # the same tiers by kind
+        self.record_tiers: dict[str, RecordTier] = {}
         self.codecs: dict[str, Codec] = {}
         for tier_type in TIER_TYPES:
             tier = tier_type.from_config(config)
-            if tier is not None:
-                self.tiers[tier.name] = tier
-                self.codecs[tier.name] = get_codec(tier.codec)
+            if tier is None:
+                continue
+            self.tiers[tier.name] = tier
+            self.codecs[tier.name] = get_codec(tier.codec)
+            if isinstance(tier, SlotTier):
+                self.slot_tiers[tier.name] = tier
+            else:
+                assert isinstance(tier, RecordTier), f"{tier.name}: a tier is a SlotTier or a RecordTier"
+                self.record_tiers[tier.name] = tier
         self.capacities = [(name, tier.fillable_bytes) for name, tier in self.tiers.items()]  # top first
         self._sizes: dict[tuple[ModelSpec, int, str, bool], int] = {}
         # A page's bytes by (its namespace, its tokens' bytes, tier, without the codec), in front
@@ -69,21 +81,18 @@ class TierStack:
         # The tier that survives a restart (the index is rebuilt from it; close and
         # write-through write it), and the one other sidecars share; None where there is none.
         self.persistent = next((name for name, tier in self.tiers.items() if tier.persistent), None)
-        shared = [tier for tier in self.tiers.values() if tier.shared]
-        self.shared: RecordTier | None = shared[0] if shared else None  # type: ignore[assignment]
+        self.shared: RecordTier | None = next((tier for tier in self.record_tiers.values() if tier.shared), None)
         # Only slot tiers: an eviction drops a page, it never waits on a record tier's writes.
-        self.memory_only = all(tier.keeps_slots for tier in self.tiers.values())
+        self.memory_only = not self.record_tiers
         # The tiers that lose copies on their own (corrupt records, failed writes, Redis
         # evictions): record tiers; a slot is only ever freed by the store.
-        self.losing = [(name, tier) for name, tier in self.tiers.items() if not tier.keeps_slots]
-        # Slot tiers in host memory that keep pages raw (codec "none"): the store copies their
-        # pages with numpy (`raw_slot`), no codec and no torch view on the way.
-        self.raw_host = frozenset(name for name, tier in self.tiers.items()
-                                  if getattr(tier, "buffer_array", None) is not None
-                                  and self.codecs[name].name == "none")
-        # Their buffers as flat numpy uint8 arrays, which `raw_slot`'s ranges index.
-        self.raw_buffers: dict[str, np.ndarray] = {name: self.tiers[name].buffer_array  # type: ignore[attr-defined]
-                                                   for name in self.raw_host}
+        self.losing = list(self.record_tiers.items())
+        # The buffers, as flat numpy uint8 arrays, of the slot tiers in host memory that keep
+        # pages raw (codec "none"): the store copies their pages at their slots' ranges with
+        # numpy, no codec and no torch view on the way.
+        self.raw_buffers: dict[str, np.ndarray] = {
+            name: tier.buffer_array for name, tier in self.slot_tiers.items()
+            if tier.buffer_array is not None and self.codecs[name].name == "none"}
 
     def close(self) -> None:
         for tier in reversed(self.tiers.values()):  # record tiers first: their writers drain
@@ -92,18 +101,13 @@ class TierStack:
     def flush(self, timeout_s: float | None = None) -> bool:
         return all(tier.flush(timeout_s) for tier in self.tiers.values())
 
-    def slot(self, tier: str, key: bytes) -> torch.Tensor | None:
+    def slot(self, tier: str, key: bytes) -> Slot | None:
         """The slot holding page `key` in a slot tier; None in a record tier (read a record)."""
-        holder = self.tiers[tier]
-        return holder.get(key) if holder.keeps_slots else None
-
-    def raw_slot(self, tier: str, key: bytes) -> tuple[int, int] | None:
-        """Where page `key` lies in `raw_buffers[tier]`, (offset, slot size), if `tier` keeps
-        pages raw in host memory (`raw_host`); None elsewhere (use `slot` and the codec)."""
-        return self.tiers[tier].get_range(key) if tier in self.raw_host else None  # type: ignore[attr-defined]
+        holder = self.slot_tiers.get(tier)
+        return holder.get(key) if holder is not None else None
 
     def keeps_slots(self, tier: str) -> bool:
-        return self.tiers[tier].keeps_slots
+        return tier in self.slot_tiers
 
     def source_tier(self, node: Node) -> str:
         for tier in self.placement.order:
@@ -112,53 +116,50 @@ class TierStack:
         raise AssertionError(f"{node} is in the tree but in no tier")
 
     def reserve(self, spec: ModelSpec, key: bytes, n: int,
-                namespace: bytes | None = None) -> tuple[str | None, int, Any]:
+                namespace: bytes | None = None) -> tuple[str | None, int, Slot | None]:
         """Room for a new page of `namespace` (its tenant's quota holds) in the top tier that has
-        it: (tier, bytes, slot or None). The slot of a `raw_host` tier is a numpy uint8 view."""
+        it: (tier, bytes, its slot; None in a record tier)."""
         for tier in self.placement.order:
             nbytes = self.size_for(spec, n, tier)
             if not self.placement.make_room(tier, nbytes, namespace):
                 continue
-            if self.tiers[tier].keeps_slots:
-                slot = self.allocate(tier, key, nbytes, as_array=tier in self.raw_host)
+            if tier in self.slot_tiers:
+                slot = self.allocate(tier, key, nbytes)
                 if slot is None:
                     continue
                 return tier, nbytes, slot
             return tier, nbytes, None
         return None, 0, None
 
-    def allocate(self, tier: str, key: bytes, nbytes: int, *, as_array: bool = False) -> Any:
-        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes.
-        `as_array`: as a numpy uint8 view (a `raw_host` tier), which the store copies into."""
-        holder: SlotTier = self.tiers[tier]  # type: ignore[assignment]
+    def allocate(self, tier: str, key: bytes, nbytes: int) -> Slot | None:
+        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes."""
+        holder = self.slot_tiers[tier]
         while True:
             try:
-                if as_array:
-                    return holder.allocate_array(key, nbytes)  # type: ignore[attr-defined]
                 return holder.allocate(key, nbytes)
             except TierFull:
                 if not self.placement.evict_one(tier):
                     return None
 
     def put_page(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
-                 payload: torch.Tensor | None = None, slot: torch.Tensor | None = None) -> WriteTicket | None:
+                 payload: torch.Tensor | None = None, slot: Slot | None = None) -> WriteTicket | None:
         """Write `node`'s page into `tier`, where room is made: encoded from `kv` (L, 2, n, H, D),
         or `payload`, its bytes already in the tier's codec. A slot tier takes it in `slot` (one
         is allocated here when None); a record tier gets a record. The write's ticket (a slot's
         is set already); None when no slot could be had."""
-        if not self.tiers[tier].keeps_slots:
-            return self.tiers[tier].put(self.record(spec, node, tier, kv=kv, payload=payload))  # type: ignore[attr-defined]
+        record_tier = self.record_tiers.get(tier)
+        if record_tier is not None:
+            return record_tier.put(self.record(spec, node, tier, kv=kv, payload=payload))
         if slot is None:
             slot = self.allocate(tier, node.key, self.size_in(node, tier))
             if slot is None:
                 return None
-        elif slot.__class__ is np.ndarray:  # reserved as an array (`reserve`), written by a codec
-            slot = torch.from_numpy(slot)
         codec = self.codecs[tier]
-        dst = slot[:codec.encoded_bytes(spec, node.num_tokens)]
+        dst = self.slot_tiers[tier].view(slot, codec.encoded_bytes(spec, node.num_tokens))
         if payload is not None:
             dst.copy_(payload)
         else:
+            assert kv is not None, "put_page: kv or payload"
             codec.encode(spec, kv, dst)
         return WRITTEN
 
@@ -180,37 +181,42 @@ class TierStack:
         codec = self.codecs[tier]
         n = node.num_tokens
         if payload is None:
-            assert kv is not None
+            assert kv is not None, "record: kv or payload"
             payload = torch.empty(codec.encoded_bytes(spec, n), dtype=torch.uint8)
             codec.encode(spec, kv, payload)
-        return PageRecord(namespace=node.namespace, key=node.key, parent=node.parent.key,  # type: ignore[union-attr]
+        parent = node.parent
+        assert parent is not None, "a root is never stored"
+        return PageRecord(namespace=node.namespace, key=node.key, parent=parent.key,
                           tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
                           payload=payload, kind="page" if node.root.key == node.namespace else "chunk")
 
-    def promote(self, spec: ModelSpec, node: Node, kv: Any) -> None:
+    def promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor | np.ndarray) -> None:
         """Copy a page served by a lower tier into the top tier (under the lock). `kv`: its KV
         (L, 2, n, H, D) as a tensor, or as a numpy view of the fetch answer (gpu/dtypes.py
-        NUMPY_DTYPES), which a `raw_host` top tier takes with one numpy copy."""
+        NUMPY_DTYPES), which a top tier in `raw_buffers` takes with one numpy copy."""
         top = self.top
-        if top in node.tiers or not self.tiers[top].keeps_slots or not node.ready:
+        if top in node.tiers or top not in self.slot_tiers or not node.ready:
             return
         nbytes = self.size_in(node, top)
         if not self.placement.make_room(top, nbytes, node.namespace):
             return
-        if kv.__class__ is np.ndarray and top in self.raw_host:
-            slot = self.allocate(top, node.key, nbytes, as_array=True)
-            if slot is None:
-                return
-            np.copyto(slot[:kv.nbytes].view(kv.dtype).reshape(kv.shape), kv, casting="no")
+        slot = self.allocate(top, node.key, nbytes)
+        if slot is None:
+            return
+        buffer = self.raw_buffers.get(top)
+        if isinstance(kv, np.ndarray):
+            if buffer is not None:
+                offset = slot[0]
+                np.copyto(buffer[offset:offset + kv.nbytes].view(kv.dtype).reshape(kv.shape), kv, casting="no")
+            else:
+                kv_tensor = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
+                self.put_page(spec, node, top, kv=kv_tensor, slot=slot)
         else:
-            if kv.__class__ is np.ndarray:
-                kv = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
-            if self.put_page(spec, node, top, kv=kv) is None:
-                return
+            self.put_page(spec, node, top, kv=kv, slot=slot)
         self.placement.add(node, top, nbytes)
         self.placement.usage[top].promotions += 1
 
-    def record_batches(self, reads: list, spec: ModelSpec | None = None, out: Any = None,
+    def record_batches(self, reads: list, spec: ModelSpec | None = None, out: torch.Tensor | np.ndarray | None = None,
                        start: int = 0) -> Iterator[dict[bytes, PageRecord | None]]:
         """Records of the reads served by record tiers, in order, one dict per batch. A tier
         that batches (Redis: `read_ahead`, pipelined, the next batches in flight while the
@@ -223,15 +229,17 @@ class TierStack:
         the first lost page. Outside the lock: the pages are pinned."""
         runs: list[tuple[str, list[list[bytes]]]] = []  # (tier, batches of keys), in read order
         landings: dict[bytes, Landing] = {}
-        answer = _answer_rows(spec, out) if spec is not None and out is not None else None
-        if answer is not None:  # a page's slice of a row: its tokens' H * D * itemsize bytes each
-            slice_token_bytes = spec.bytes_per_token // (2 * spec.num_layers)  # type: ignore[union-attr]
+        answer = None
+        if spec is not None and out is not None:
+            answer = _answer_rows(spec, out)
+            # A page's slice of a row of the answer: its tokens' H * D * itemsize bytes each.
+            slice_token_bytes = spec.bytes_per_token // (2 * spec.num_layers)
         nbytes = 0
         for node, first, used, tier, slot in reads:
             if slot is not None:
                 continue
-            batching = self.tiers[tier].batched_reads
-            if batching and answer is not None and first >= start and used == node.num_tokens:
+            batching = self.record_tiers[tier].batched_reads
+            if batching and spec is not None and answer is not None and first >= start and used == node.num_tokens:
                 # Where its uncompressed payload (L, 2, n, H, D) goes: of every row of the answer,
                 # the bytes of its tokens (first - start .. + n).
                 lo = (first - start) * slice_token_bytes
@@ -246,11 +254,11 @@ class TierStack:
             runs[-1][1][-1].append(node.key)
             nbytes += node.tiers.get(tier, 0)
         for tier, batches in runs:
-            record_tier: RecordTier = self.tiers[tier]  # type: ignore[assignment]
+            record_tier = self.record_tiers[tier]
             yield from record_tier.read_ahead(batches, landings if record_tier.batched_reads else None)
 
-    def read_page(self, spec: ModelSpec, node: Node, tier: str, slot: torch.Tensor | None,
-                   record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | bool | None:
+    def read_page(self, spec: ModelSpec, node: Node, tier: str, slot: Slot | None,
+                  record: PageRecord | None, whole: bool, out: torch.Tensor) -> torch.Tensor | Literal[True] | None:
         """Decode one page from its slot or its record. True: decoded straight into `out`; a
         tensor: the whole page (L, 2, n, H, D) for the caller to slice; None: the page is gone
         (a miss from here). A record must carry the node's token ids (a shared tier's key is
@@ -258,7 +266,7 @@ class TierStack:
         codec = self.codecs[tier]
         n = node.num_tokens
         if slot is not None:
-            data = slot[:codec.encoded_bytes(spec, n)]
+            data = self.slot_tiers[tier].view(slot, codec.encoded_bytes(spec, n))
         else:
             if record is None:
                 return None
@@ -287,20 +295,22 @@ class TierStack:
         if spec is None:
             return False
         n = node.num_tokens
-        source, target = self.tiers[src], self.tiers[dst]
-        if source.encodes_on_device and target.keeps_slots:
+        source, target = self.slot_tiers.get(src), self.slot_tiers.get(dst)
+        if source is not None and source.encodes_on_device and target is not None:
             # Quantize on the device (when the lower tier's codec asks for it) before the
             # device->host copy: only the compact bytes cross PCIe.
             slot = self.allocate(dst, node.key, self.size_in(node, dst))
             if slot is None:
                 return False
             codec = self.codecs[dst]
-            source.copy_out(node.key, spec, n, codec, slot[:codec.encoded_bytes(spec, n)]).synchronize()  # type: ignore[attr-defined]
+            source.copy_out(node.key, spec, n, codec, target.view(slot, codec.encoded_bytes(spec, n))).synchronize()
             return True
-        if source.keeps_slots:
-            data = source.get(node.key)[:self.codecs[src].encoded_bytes(spec, n)]
+        if source is not None:
+            held = source.get(node.key)
+            assert held is not None, f"{node} is in {src} but has no slot there"
+            data = source.view(held, self.codecs[src].encoded_bytes(spec, n))
         else:
-            record = source.get(node.key)
+            record = self.record_tiers[src].get(node.key)
             if record is None:
                 return False
             data = byte_tensor(record.payload)
@@ -381,11 +391,11 @@ def _lands_raw(spec: ModelSpec, node: Node, record: PageRecord) -> bool:
             and record.shape == spec.kv_shape(node.num_tokens))
 
 
-def _answer_rows(spec: ModelSpec, out: Any) -> np.ndarray | None:
+def _answer_rows(spec: ModelSpec, out: torch.Tensor | np.ndarray) -> np.ndarray | None:
     """A fetch answer (L, 2, T, H, D) (a tensor, or its numpy array: cheaper to view) as writable
     uint8 rows (L x 2, T * H * D * itemsize), one a layer and K or V; None where payloads cannot
     be received into it (on a GPU, or not one contiguous block)."""
-    if out.__class__ is np.ndarray:
+    if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or out.size == 0:
             return None
         return out.reshape(2 * spec.num_layers, -1).view(np.uint8)

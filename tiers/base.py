@@ -1,13 +1,16 @@
 """The tier interface: what the store's tier stack (kvstore/tier_stack.py) calls on every tier.
 
 Tiers know nothing of prefixes, policies or each other: the store decides what goes where, when
-to evict, demote and promote; a tier only holds bytes. There are two kinds, and the stack tells
-them apart by `keeps_slots`, never by a tier's name:
+to evict, demote and promote; a tier only holds bytes. There are two kinds, one base class each
+(`keeps_slots` says which), and the stack tells them apart by that, never by a tier's name:
 
-- a **slot tier** (`SlotTier`: gpu, cpu) preallocates its memory and hands out slots: `allocate`
-  returns a writable uint8 view that the store encodes a page straight into (one copy on the
-  store path), `get` returns a read-only-by-convention view the store decodes from (one copy on
-  fetch);
+- a **slot tier** (`SlotTier`: gpu, cpu) preallocates one flat uint8 `buffer` and hands out
+  slots of it. A slot has one form, a `Slot`: its byte range (offset, nbytes) in `buffer`. The
+  store encodes a page straight into its slot (`allocate`; one copy on the store path) and
+  decodes from it (`get`; one copy on fetch), through `view(slot)`, a uint8 tensor of those
+  bytes, or, for a buffer in host memory, through `buffer_array[offset:...]`, the same bytes as
+  numpy: a numpy slice costs a fraction of a torch one, and slots that lie one after another are
+  copied with one numpy call. A range is what both need, and making it costs nothing;
 - a **record tier** (`RecordTier`: disk, redis) keeps self-describing records (`PageRecord`:
   header + payload + checksum), so it can rebuild the index after a restart and turn
   corruption into a miss. `put` queues a record and returns a `WriteTicket`.
@@ -16,9 +19,9 @@ What else a tier is to the store is a class attribute, not a name: `persistent` 
 rebuilt from it at start, close saves memory-only pages to it, write-through writes it),
 `shared` (other sidecars write it: lookups probe it), `batched_reads` (it reads a batch of pages
 at a time, Redis in one round trip, disk in one read transaction, and can land payloads in the
-caller's buffers). Adding a tier is one module with a
-subclass of `SlotTier` or `RecordTier` (and a `from_config`), and one entry in the stack's
-`TIER_TYPES`.
+caller's buffers), `encodes_on_device` (a slot tier that encodes a page where it lives before it
+leaves: `copy_out`, the GPU). Adding a tier is one module with a subclass of `SlotTier` or
+`RecordTier` (and a `from_config`), and one entry in the stack's `TIER_TYPES`.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from kvstore.tiers.disk_cost import disk_record_cost
@@ -33,6 +37,12 @@ from kvstore.tiers.disk_cost import disk_record_cost
 if TYPE_CHECKING:
     from kvstore.codecs import Codec
     from kvstore.config import ModelSpec, StoreConfig
+
+# A page's slot in a slot tier: (offset, nbytes), the byte range of the tier's `buffer` that holds
+# it (nbytes is the slot's size, rounded up to the tier's alignment: at least the page's encoded
+# bytes). A plain tuple, the one the slot map keeps: handing it out builds nothing, and the fetch
+# path unpacks one per page.
+Slot = tuple[int, int]
 
 # A capacity the store never fills: the tier bounds itself (Redis' maxmemory), and a page of an
 # unknown model costs this much anywhere, so it is never copied.
@@ -91,7 +101,7 @@ class Tier:
     persistent: ClassVar[bool] = False
     shared: ClassVar[bool] = False
     batched_reads: ClassVar[bool] = False
-    encodes_on_device: ClassVar[bool] = False  # can encode a page where it lives (`copy_out`: the GPU)
+    encodes_on_device: ClassVar[bool] = False  # a slot tier that can encode a page where it lives (`copy_out`: the GPU)
     capacity_bytes: int
     codec: str = "none"  # the codec (kvstore/codecs.py) the store encodes this tier's pages with
     corrupt_records = 0  # records found damaged and deleted
@@ -138,23 +148,43 @@ class Tier:
 
 
 class SlotTier(Tier):
-    """Preallocated memory carved into slots (tiers/slots.py)."""
+    """Preallocated memory, one flat uint8 `buffer`, carved into slots (tiers/slots.py)."""
 
     keeps_slots = True
+    buffer: torch.Tensor  # (capacity_bytes,) uint8 on the tier's device: every slot is a range of it
+    # The same memory as a numpy uint8 array where the buffer is in host memory, else None: the
+    # store copies raw pages in and out of slices of it (`Slot` says why).
+    buffer_array: np.ndarray | None = None
 
     @classmethod
     def slot_bytes(cls, nbytes: int) -> int:
+        """The size of the slot a page of `nbytes` encoded bytes takes."""
         raise NotImplementedError
 
     def cost_bytes(self, spec: "ModelSpec", codec: "Codec", num_tokens: int) -> int:
         # Slots are sized for a full page, so tail pages and full pages share slots.
         return self.slot_bytes(codec.encoded_bytes(spec, spec.page_size))
 
-    def allocate(self, key: bytes, nbytes: int) -> torch.Tensor:
-        """A writable uint8 view of `nbytes` reserved for `key`. Raises TierFull."""
+    def allocate(self, key: bytes, nbytes: int) -> Slot:
+        """A new slot of at least `nbytes` for `key`, to be written. Raises TierFull."""
         raise NotImplementedError
 
-    def get(self, key: bytes) -> torch.Tensor | None:
+    def get(self, key: bytes) -> Slot | None:
+        """`key`'s slot, or None. Its bytes are readable through `view` on the caller's current
+        stream (a tier with copies in flight orders them before it)."""
+        raise NotImplementedError
+
+    def view(self, slot: Slot, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of `slot` as a uint8 tensor (a view: writes go to the slot)."""
+        offset = slot[0]
+        return self.buffer[offset:offset + nbytes]
+
+    def copy_out(self, key: bytes, spec: "ModelSpec", num_tokens: int, codec: "Codec",
+                 dst: torch.Tensor) -> "torch.cuda.Event":
+        """Page `key` (raw KV of `num_tokens`) encoded with `codec` where it lives, into `dst`
+        (uint8, `codec.encoded_bytes(spec, num_tokens)`, in host memory): demotion from a tier
+        that `encodes_on_device`, so only the encoded bytes leave the device. Returns the event
+        after which `dst` holds them."""
         raise NotImplementedError
 
 

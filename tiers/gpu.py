@@ -4,8 +4,8 @@ overlap the engine's compute on the default stream.
 
 Slots work like the CPU tier's: sized by class (rounded up to `SLOT_ALIGN_BYTES`), a deleted slot
 is reused by the next page of its size, fresh slots are cut from the buffer's untouched end.
-Pages here are raw KV (codec `none`): the store encodes into `allocate`'s view and decodes from
-`get`'s, on the caller's current stream.
+Pages here are raw KV (codec `none`): the store encodes into the slot `allocate` returns and
+decodes from the one `get` returns (through `view`), on the caller's current stream.
 
 The tier knows nothing of policy. `copy_out` / `copy_in` take the destination/source tier's codec
 because quantizing *before* the device->host copy is what halves the PCIe bytes (int8) — the
@@ -18,6 +18,7 @@ import torch
 
 from kvstore.codecs import Codec, as_kv
 from kvstore.config import ModelSpec, StoreConfig
+from kvstore.tiers.base import Slot
 from kvstore.tiers.slots import SlotBufferTier
 
 SLOT_ALIGN_BYTES = 256  # every slot starts 256-byte aligned: 16-byte vector loads in the kernels
@@ -74,8 +75,8 @@ class GPUTier(SlotBufferTier):
         return cls(config.gpu_bytes) if config.gpu_bytes else None
 
     # -- slot interface (tiers.base.SlotTier): get/delete/close wait on copies in flight --------
-    def get(self, key: bytes) -> torch.Tensor | None:
-        """The slot's bytes; work queued on the caller's current stream sees a promotion's result."""
+    def get(self, key: bytes) -> Slot | None:
+        """The slot; work queued on the caller's current stream sees a promotion's result."""
         slot = self._slots.get(key)
         if slot is None:
             return None
@@ -85,7 +86,7 @@ class GPUTier(SlotBufferTier):
                 del self._pending[key]
             else:
                 torch.cuda.current_stream(self.device).wait_event(event)  # a GPU-side wait, no host sync
-        return super().get(key)
+        return slot
 
     def delete(self, key: bytes) -> bool:
         event = self._pending.pop(key, None)
@@ -110,9 +111,10 @@ class GPUTier(SlotBufferTier):
 
     def copy_out(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec,
                  dst: torch.Tensor) -> torch.cuda.Event:
-        """Demotion: encode page `key` (n tokens of raw KV) with `codec` *on this GPU*, then copy the
-        encoded bytes into `dst` (host uint8, `codec.encoded_bytes(spec, n)`; pinned for an async
-        copy). Returns the event after which `dst` holds the page; `delete(key)` waits for it."""
+        """Demotion (tiers/base.py `SlotTier.copy_out`): encode page `key` (n tokens of raw KV) with
+        `codec` *on this GPU*, then copy the encoded bytes into `dst` (host uint8,
+        `codec.encoded_bytes(spec, n)`; pinned for an async copy). Returns the event after which
+        `dst` holds the page; `delete(key)` waits for it."""
         kv = self._page(key, spec, num_tokens)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the page's writes come first
         with torch.cuda.stream(self.stream):

@@ -15,10 +15,7 @@ never overlap and together tile [0, `_end`); no two free ranges touch, and none 
 """
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from kvstore.tiers.base import SlotTier, TierFull
+from kvstore.tiers.base import Slot, SlotTier, TierFull
 
 
 class SlotMap:
@@ -31,13 +28,13 @@ class SlotMap:
         self._free_at: dict[int, int] = {}  # free range offset -> size
         self._free_end: dict[int, int] = {}  # free range end -> offset
         self._by_size: dict[int, set[int]] = {}  # free range size -> offsets (no empty sets)
-        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (offset, slot size)
+        self._slots: dict[bytes, Slot] = {}  # key -> (offset, slot size)
 
     def slot_bytes(self, nbytes: int) -> int:
         return -(-nbytes // self.align_bytes) * self.align_bytes
 
-    def allocate(self, key: bytes, nbytes: int) -> int:
-        """The offset of a new slot of at least `nbytes` for `key`. Raises TierFull."""
+    def allocate(self, key: bytes, nbytes: int) -> Slot:
+        """A new slot of at least `nbytes` for `key`: (offset, slot size). Raises TierFull."""
         assert key not in self._slots, "allocate of a key that already has a slot"
         size = self.slot_bytes(nbytes)
         if size in self._by_size:
@@ -53,11 +50,11 @@ class SlotMap:
             free_size = min(larger)  # the smallest range that fits: keep large ranges whole
             offset = self._take_free(free_size)
             self._add_free(offset + size, free_size - size)
-        self._slots[key] = (offset, size)
+        slot = self._slots[key] = (offset, size)
         self.used_bytes += size
-        return offset
+        return slot
 
-    def get(self, key: bytes) -> tuple[int, int] | None:
+    def get(self, key: bytes) -> Slot | None:
         """(offset, slot size) of `key`'s slot, or None."""
         return self._slots.get(key)
 
@@ -120,14 +117,11 @@ class SlotMap:
 
 class SlotBufferTier(SlotTier):
     """The part of a slot tier that is the same on every device: a preallocated uint8 `buffer`
-    carved by a `SlotMap`. Subclasses set `name` and `align_bytes`, allocate `buffer`, and add
-    what their device needs (the GPU tier: stream-ordered copies)."""
+    carved by a `SlotMap`. Subclasses set `name` and `align_bytes`, allocate `buffer` (and
+    `buffer_array`, in host memory), and add what their device needs (the GPU tier:
+    stream-ordered copies)."""
 
     align_bytes: int
-    buffer: torch.Tensor
-    # The buffer as a numpy array when it is in host memory (else None): the store copies raw
-    # pages in and out of numpy views of it, which cost a fraction of a torch slice to make.
-    buffer_array: np.ndarray | None = None
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
@@ -141,28 +135,11 @@ class SlotBufferTier(SlotTier):
     def slot_bytes(cls, nbytes: int) -> int:
         return -(-nbytes // cls.align_bytes) * cls.align_bytes
 
-    def allocate(self, key: bytes, nbytes: int) -> torch.Tensor:
-        """A writable view of `nbytes` for `key`. Raises TierFull."""
-        offset = self._slots.allocate(key, nbytes)
-        return self.buffer[offset:offset + nbytes]
+    def allocate(self, key: bytes, nbytes: int) -> Slot:
+        return self._slots.allocate(key, nbytes)
 
-    def get(self, key: bytes) -> torch.Tensor | None:
-        slot = self._slots.get(key)
-        if slot is None:
-            return None
-        offset, size = slot
-        return self.buffer[offset:offset + size]
-
-    def get_range(self, key: bytes) -> tuple[int, int] | None:
-        """(offset, slot size) of `key`'s slot in `buffer`, or None. The store reads a page of a
-        buffer in host memory from `buffer_array` at this range: pages next to each other in
-        the buffer are copied with one numpy call."""
+    def get(self, key: bytes) -> Slot | None:
         return self._slots.get(key)
-
-    def allocate_array(self, key: bytes, nbytes: int) -> np.ndarray:
-        """`allocate` as a numpy uint8 view of `nbytes`, for a buffer in host memory. Raises TierFull."""
-        offset = self._slots.allocate(key, nbytes)
-        return self.buffer_array[offset:offset + nbytes]  # type: ignore[index]
 
     def delete(self, key: bytes) -> bool:
         return self._slots.free(key)

@@ -57,14 +57,15 @@ def test_slots_never_overlap_under_random_mixed_sizes():
             key = step.to_bytes(4, "little")
             nbytes = rng.choice([64, 100, 4096, 65536, 3 * 65536])
             try:
-                offset = slots.allocate(key, nbytes)
+                slot = slots.allocate(key, nbytes)
             except TierFull:
                 continue
-            held[key] = (offset, slots.slot_bytes(nbytes))
+            assert slot == slots.get(key) and slot[1] == slots.slot_bytes(nbytes)
+            held[key] = slot
         ranges = sorted(held.values())
         assert all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:]))  # no two slots overlap
         assert all(0 <= a and a + n <= slots.capacity_bytes for a, n in ranges)
         assert slots.used_bytes == sum(n for _, n in ranges)
     for key in list(held):
         slots.free(key)
-    assert slots.used_bytes == 0 and slots.allocate(b"whole", 1 << 20) == 0  # all of it merged back
+    assert slots.used_bytes == 0 and slots.allocate(b"whole", 1 << 20) == (0, 1 << 20)  # all of it merged back
