@@ -82,7 +82,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a store miss is recomputed)")
                 transfer.kv_load_failure_policy = "recompute"
             self.events = self._scheduler_events(vllm_config)
-            self.scheduler = SchedulerSide(self.link, self.block_size, self.events, role=transfer.kv_role or "kv_both")
+            self.scheduler = SchedulerSide(self.link, self.block_size, self.events, role=transfer.kv_role or "kv_both",
+                                           load_async=self.config.load_async)
         else:
             if self.config.url is not None:
                 self.link = StoreLink(self.config, model, spec)
@@ -185,6 +186,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_error_blocks() if self.worker is not None else set()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """No saves outlive their step; the asynchronous loads finished since the last call."""
+        return None, (self.worker.finished_loads() or None) if self.worker is not None else None
+
     def _step(self) -> StepMeta:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
@@ -200,11 +205,16 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+        tokens = self.scheduler.matched_tokens(request, num_computed_tokens)
+        return tokens, self.scheduler.load_async and tokens > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.scheduler is not None
         self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler is not None and connector_output.invalid_block_ids:
+            self.scheduler.load_errors(set(connector_output.invalid_block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -221,6 +231,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False, {"kvstore_model": self.model, "kvstore_tokens": saved}
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         if self.events is not None:
             self.events.close()
             self.events = None

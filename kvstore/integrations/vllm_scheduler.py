@@ -21,6 +21,11 @@ Invariants:
   so no block outlives its request on the connector's account, and `request_finished` never
   delays freeing: once vLLM calls it, every whole prompt block is in the store, and the next
   lookup of any engine finds it.
+- Loads are synchronous by default: fetched and scattered layer by layer inside the step of
+  the batch the request joins. With `load_async`, a hit's request waits outside the batch
+  (vLLM's WAITING_FOR_REMOTE_KVS) while the worker loads its blocks beside the forward of the
+  others, and joins a later batch with those tokens computed; vLLM holds the blocks until the
+  worker reports the load finished (`get_finished`), aborted requests included.
 - Roles (vLLM's kv_role, docs/disaggregation.md): a producer stores and never loads (its
   prefills are the ones a decode engine reuses, so they are computed from the prompt alone);
   a consumer loads and never stores prompt blocks (a producer already did); kv_both does both.
@@ -40,6 +45,7 @@ class LoadSpec:
     tokens: list[int]  # the prompt's first `end` tokens: the store's key for the pages
     start: int  # first token to load (a block boundary: where vLLM's own prefix hit ends)
     block_ids: list[int]  # vLLM blocks receiving tokens [start, end)
+    load_async: bool = False  # loaded outside the step's forward; reported by the worker when done
 
 
 @dataclass
@@ -64,16 +70,19 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved_tokens: int = 0
     request: Any = None  # vLLM's request: its block hashes name the blocks in KV events
+    loading: frozenset = frozenset()  # blocks of its last load
+    loads_off: bool = False  # a load of it failed: it is computed from then on, never loaded again
 
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 class SchedulerSide:
-    def __init__(self, link: StoreLink, block_size: int, events: Any = None, role: str = "kv_both"):
+    def __init__(self, link: StoreLink, block_size: int, events: Any = None, role: str = "kv_both",
+                 load_async: bool = False):
         if role not in ROLES:
             raise ValueError(f"kv_role: must be one of {', '.join(ROLES)}, got {role!r}")
-        self.link, self.block_size, self.role = link, block_size, role
+        self.link, self.block_size, self.role, self.load_async = link, block_size, role, load_async
         self.loads, self.saves = role != "kv_producer", role != "kv_consumer"
         self.events = events  # ConnectorEvents (vllm_kv_events.py) when vLLM publishes KV events, else None
         self._requests: dict[str, _Tracked] = {}
@@ -96,7 +105,7 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` (vLLM's block-aligned local hit) the store can load."""
         tracked = self._requests.get(request.request_id)
-        if tracked is None or not self.loads:
+        if tracked is None or not self.loads or tracked.loads_off:
             return 0
         B = self.block_size
         limit = (len(tracked.prompt) - 1) // B * B  # whole blocks, never the last prompt token
@@ -118,8 +127,18 @@ class SchedulerSide:
         start = hit[0]
         end = start + num_external_tokens
         B = self.block_size
-        self._loads[request.request_id] = LoadSpec(request.request_id, tracked.salt, tracked.prompt[:end], start,
-                                                   list(block_ids[start // B:end // B]))
+        spec = LoadSpec(request.request_id, tracked.salt, tracked.prompt[:end], start,
+                        list(block_ids[start // B:end // B]), self.load_async)
+        self._loads[request.request_id] = spec
+        tracked.loading = frozenset(spec.block_ids)
+
+    def load_errors(self, block_ids: set[int]) -> None:
+        """Blocks a load could not fill (the worker's report, through vLLM): their requests are
+        computed from now on. An asynchronous load's request is otherwise asked again when vLLM
+        reschedules it, and a store that answers lookups but fails fetches would loop it."""
+        for tracked in self._requests.values():
+            if tracked.loading & block_ids:
+                tracked.loads_off = True
 
     def build_meta(self, scheduler_output: Any) -> StepMeta:
         meta = StepMeta(loads=list(self._loads.values()))

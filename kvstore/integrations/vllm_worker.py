@@ -11,6 +11,12 @@
 Layer-wise, the first layer's attention waits only for its own copy, and the copies out happen
 as each layer finishes instead of in one pass after the last.
 
+An asynchronous load (LoadSpec.load_async) belongs to a request outside this step's batch: one
+background thread fetches it and scatters every layer into its blocks while the forward runs
+on other blocks, and `finished_loads` (vLLM's get_finished) reports the request once that is
+done. Its blocks are vLLM's until then (the scheduler neither frees nor reuses them), so the
+thread's writes never race a reader.
+
 A load that fails in any way (fetch error, fewer tokens than promised, a layer never loaded)
 reports the blocks it could not fill through `load_error_blocks`; vLLM then recomputes them
 (kv_load_failure_policy "recompute", which the connector sets). Wrong KV is never written: a
@@ -18,8 +24,11 @@ fetch answer of the wrong shape or dtype is a failure (store_link.py).
 """
 from __future__ import annotations
 
+import logging
 import re
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -35,6 +44,7 @@ from kvstore.integrations.vllm_scheduler import LoadSpec, SaveSpec, StepMeta
 CONTENT_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER")
 CPU_BACKEND = "CPU_ATTN"
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+log = logging.getLogger("kvstore.vllm")
 
 
 def layer_index(name: str) -> int:
@@ -83,6 +93,9 @@ class WorkerSide:
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
+        self._async_loads: dict[str, Future] = {}  # req id -> its load's blocks that failed
+        self._loader: ThreadPoolExecutor | None = None  # one thread, made at the first async load
+        self._stats_lock = threading.Lock()  # the loader thread counts too
         # Counters and seconds spent, for tests and bench/vllm_ttft.py's breakdown of a step.
         self.stats = {"loaded_tokens": 0, "failed_blocks": 0, "saved_tokens": 0, "fetch_s": 0.0, "scatter_s": 0.0,
                       "gather_s": 0.0, "store_s": 0.0}
@@ -115,22 +128,56 @@ class WorkerSide:
     # -- loads ----------------------------------------------------------------------------------
     def start_load(self, meta: StepMeta) -> None:
         self._loads = []
-        B = self.block_size
         for spec in meta.loads:
-            end = len(spec.tokens)
-            started = time.perf_counter()
-            matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt)
-            self.stats["fetch_s"] += time.perf_counter() - started
-            usable = max(0, (min(matched, end) - spec.start) // B)  # whole blocks the store still had
-            if usable < len(spec.block_ids):
-                self._failed_blocks.update(spec.block_ids[usable:])
-                self.stats["failed_blocks"] += len(spec.block_ids) - usable
-            if usable == 0 or kv is None:
+            if spec.load_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+                self._async_loads[spec.req_id] = self._loader.submit(self._load_whole, spec)
                 continue
-            device = next(iter(self.layers.values())).device
-            block_ids = torch.tensor(spec.block_ids[:usable], dtype=torch.long, device=device)
-            self._loads.append(_Load(spec, kv[:, :, :usable * B], block_ids))
-            self.stats["loaded_tokens"] += usable * B
+            load = self._fetch(spec, self._failed_blocks)
+            if load is not None:
+                self._loads.append(load)
+
+    def _fetch(self, spec: LoadSpec, failed: set[int]) -> _Load | None:
+        """The store's KV for a load, as whole blocks; the blocks it cannot fill go to `failed`."""
+        B = self.block_size
+        started = time.perf_counter()
+        matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt)
+        usable = max(0, (min(matched, len(spec.tokens)) - spec.start) // B)  # whole blocks the store still had
+        failed.update(spec.block_ids[usable:])
+        with self._stats_lock:
+            self.stats["fetch_s"] += time.perf_counter() - started
+            self.stats["failed_blocks"] += len(spec.block_ids) - usable
+            if usable and kv is not None:
+                self.stats["loaded_tokens"] += usable * B
+        if usable == 0 or kv is None:
+            return None
+        device = next(iter(self.layers.values())).device
+        block_ids = torch.tensor(spec.block_ids[:usable], dtype=torch.long, device=device)
+        return _Load(spec, kv[:, :, :usable * B], block_ids)
+
+    def _load_whole(self, spec: LoadSpec) -> set[int]:
+        """An asynchronous load, on the loader thread: every layer at once. The blocks it could
+        not fill (all of them if anything went wrong: they are recomputed, never trusted)."""
+        failed: set[int] = set()
+        try:
+            load = self._fetch(spec, failed)
+            if load is not None:
+                assert self.layout is not None
+                for name, layer in self.layers.items():
+                    self.layout.scatter(layer, load.block_ids, load.kv[self.index[name]].to(layer.device))
+        except Exception as exc:  # a miss, as with a failed sync load: vLLM recomputes the blocks
+            log.warning("kvstore async load of %s failed (%s: %s); recomputing", spec.req_id, type(exc).__name__, exc)
+            failed.update(spec.block_ids)
+        return failed
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load is done since the last call; their unfilled blocks are
+        in the next `load_error_blocks` (vLLM reads both from the same step's output)."""
+        done = {req_id for req_id, job in self._async_loads.items() if job.done()}
+        for req_id in done:
+            self._failed_blocks.update(self._async_loads.pop(req_id).result())
+        return done
 
     def wait_for_layer(self, layer_name: str) -> None:
         i = self.index.get(layer_name)
@@ -214,3 +261,9 @@ class WorkerSide:
     def load_error_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def close(self) -> None:
+        """Wait for the asynchronous loads in flight (they write into vLLM's cache)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None

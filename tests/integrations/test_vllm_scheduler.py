@@ -215,3 +215,20 @@ def test_a_sidecar_that_never_answers_costs_at_most_timeout_s():
             assert side.matched_tokens(r, 0) == 0
         assert time.monotonic() - started < 2.0  # one timeout, then the store is left alone
         link.close()
+
+
+def test_an_async_load_is_reported_to_the_worker_and_a_failed_one_is_never_offered_again(link):
+    prompt = list(range(1, 129))
+    store_prefix(link, prompt)
+    side = SchedulerSide(link, BLOCK, load_async=True)
+    r = request("a", prompt)
+    side.on_new_request(r)
+    assert side.matched_tokens(r, 0) == 96
+    side.after_alloc(r, [10, 11, 12, 13], 96)
+    (load,) = side.build_meta(step()).loads  # the request is not in the step's batch: it waits
+    assert load.load_async and load.block_ids == [10, 11, 12]
+    side.load_errors({12})  # the worker could not fill its last block
+    assert side.matched_tokens(r, 0) == 0  # rescheduled by vLLM, it is computed: no second load
+    other = request("b", prompt)
+    side.on_new_request(other)
+    assert side.matched_tokens(other, 0) == 96  # other requests still load
