@@ -320,11 +320,6 @@ class DiskTier(RecordTier):
         self._queue.put((None, None, done))
         return done.wait(timeout_s)
 
-    def stored_bytes(self) -> int:
-        info = self.env.info()
-        stat = self.env.stat()
-        return (info["last_pgno"] + 1) * stat["psize"]
-
     def close(self) -> None:
         if self._writer.is_alive():
             self._queue.put((None, _STOP, None))
