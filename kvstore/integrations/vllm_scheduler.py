@@ -32,6 +32,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,7 @@ class SchedulerSide:
         self.events = events  # ConnectorEvents (vllm_kv_events.py) when vLLM publishes KV events, else None
         self._requests: dict[str, _Tracked] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (local tokens, store hit end), last answer
+        self.stats = {"lookups": 0, "lookup_s": 0.0}  # for bench/vllm_ttft.py's breakdown of a request
         self._loads: dict[str, LoadSpec] = {}  # allocated, to be loaded in the next step
 
     @staticmethod
@@ -111,7 +113,10 @@ class SchedulerSide:
         limit = (len(tracked.prompt) - 1) // B * B  # whole blocks, never the last prompt token
         if limit <= num_computed_tokens:
             return 0
+        started = time.perf_counter()
         matched = self.link.lookup(tracked.prompt[:limit], tracked.salt)
+        self.stats["lookup_s"] += time.perf_counter() - started
+        self.stats["lookups"] += 1
         hit = min(matched, limit) // B * B
         if hit <= num_computed_tokens:
             self._hits.pop(request.request_id, None)

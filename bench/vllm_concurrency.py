@@ -1,0 +1,183 @@
+"""Eight concurrent requests that share a long prefix, each with a suffix of its own, on vLLM with
+and without kvstore: throughput and time to first token, in one run.
+
+    python bench/vllm_concurrency.py [--prefix-tokens 2048] [--suffix-tokens 64] [--requests 8]
+                                     [--output-tokens 32] [--random-model] [--json out.json]
+
+The model is SmolLM2-135M-Instruct (`kvstore model pull smollm2`), float32 on vLLM's CPU build,
+each engine a fresh process (enforce_eager, block size 32, vLLM's default chunked prefill); the
+prefix and the suffixes are sections of Python's documentation (bench/vllm_ttft.py `Prompts`).
+The store is `kvstore serve` on loopback (shared memory). A batch is all requests submitted at
+once (`LLM.generate` with every prompt), each batch with suffixes no earlier batch used:
+
+    vLLM, prefix cached          no connector, the prefix in vLLM's own prefix cache
+    vLLM, nothing cached         no connector, a fresh cache_salt per request: every token computed
+    kvstore, prefix in both      the connector on, the prefix in vLLM's cache and in the store
+    kvstore, prefix in store     the connector on, vLLM's cache emptied before the batch
+                                 (reset_prefix_cache): the prefix comes from the store only
+
+the kvstore cases twice: loads inside the step (the default) and `load_async`. TTFT is a batch
+with one output token (the wall time until every request has its first token); throughput is
+requests per second of a batch with `--output-tokens` tokens each. Each figure is the best of
+`--repeats` batches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.vllm_ttft import BLOCK, REAL_MODEL, Prompts, kv_bytes_per_token, model_facts, start_sidecar, \
+    write_random_model  # noqa: E402
+
+
+def engine_main(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(skip_tokenizer_init=True, block_size=BLOCK, enforce_eager=True, dtype="float32",
+                                  max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_bytes"],
+                                  enable_prefix_caching=True)
+    if job["extra"] is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm", kv_role="kv_both",
+            kv_connector_extra_config=job["extra"])
+    llm = LLM(job["model"], **kwargs)
+    prompt = Prompts(job["model"], job["vocab_size"], job["has_tokenizer"])
+    prefix = prompt(job["prefix_tokens"], salt=0)
+    batches = iter(range(1, 1_000_000))
+
+    def batch(max_tokens: int, fresh_salts: bool = False, empty_vllm_cache: bool = False) -> float:
+        """Seconds for one batch of the requests, with suffixes no batch used before."""
+        first = next(batches) * job["requests"]
+        prompts = []
+        for i in range(job["requests"]):
+            salt = {"cache_salt": f"fresh-{first + i}"} if fresh_salts else {}
+            tokens = prefix + prompt(job["suffix_tokens"], salt=first + i)
+            prompts.append(TokensPrompt(prompt_token_ids=tokens, **salt))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+        if empty_vllm_cache:
+            llm.reset_prefix_cache()
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return elapsed
+
+    def best(**how: Any) -> dict[str, float]:
+        ttft = min(batch(1, **how) for _ in range(job["repeats"]))
+        whole = min(batch(job["output_tokens"], **how) for _ in range(job["repeats"]))
+        return {"ttft_s": ttft, "requests_per_s": job["requests"] / whole}
+
+    batch(1, fresh_salts=True)  # warm-up: the one-time costs of a first batch
+    llm.generate([TokensPrompt(prompt_token_ids=prefix + [prompt(4, salt=0)[-1]])],
+                 SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)  # the prefix, cached (and stored)
+    result: dict[str, Any] = {}
+    if job["extra"] is None:
+        result["prefix_cached"] = best()
+        result["nothing_cached"] = best(fresh_salts=True)
+    else:
+        result["prefix_in_both"] = best()
+        result["prefix_in_store"] = best(empty_vllm_cache=True)
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def run_engine(job: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    done = subprocess.run([sys.executable, __file__, "--engine-job", json.dumps(job)], capture_output=True, text=True,
+                          env=env, timeout=3600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"engine failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("ENGINE "):])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix-tokens", type=int, default=2048)
+    parser.add_argument("--suffix-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="batches per figure (best of)")
+    parser.add_argument("--random-model", action="store_true", help="a random-weight Llama (no download)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--engine-job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.engine_job:
+        print("ENGINE " + json.dumps(engine_main(json.loads(args.engine_job))), flush=True)
+        return 0
+    for name in ("prefix_tokens", "suffix_tokens", "requests", "output_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="vllm-concurrency-") as tmp:
+        root = Path(tmp)
+        with tqdm(total=4, desc="vllm_concurrency", unit="engine", file=sys.stderr) as bar:
+            if args.random_model:
+                directory = write_random_model(root / "model", "float32")
+            else:
+                from kvstore.decode.model_pull import pull
+
+                directory = pull(REAL_MODEL)
+            facts = model_facts(directory)
+            max_model_len = args.prefix_tokens + args.suffix_tokens + args.output_tokens + 64
+            if max_model_len > facts["context"]:
+                parser.error(f"--prefix-tokens: the prompts do not fit the model's {facts['context']}-token context")
+            per_token = kv_bytes_per_token(facts, "float32")
+            # vLLM's cache holds the whole batch at once (no preemption is any row's business).
+            kv_cache_bytes = max(1 << 30, 2 * per_token * args.requests * max_model_len)
+            base = dict(model=str(directory), vocab_size=facts["vocab"], max_model_len=max_model_len,
+                        has_tokenizer=facts["has_tokenizer"] and not args.random_model,
+                        kv_cache_bytes=kv_cache_bytes, prefix_tokens=args.prefix_tokens,
+                        suffix_tokens=args.suffix_tokens, requests=args.requests, output_tokens=args.output_tokens,
+                        repeats=args.repeats)
+            results: dict[str, Any] = {"vllm": run_engine(dict(base, extra=None))}
+            bar.update()
+            store_bytes = f"{max(1024, 4 * per_token * args.requests * max_model_len >> 20)}MiB"
+            sidecar, url = start_sidecar(root / "sidecar", store_bytes)
+            try:
+                for name, load_async in (("kvstore", False), ("kvstore_async", True)):
+                    extra = {"url": url, "timeout_s": 120, "load_async": load_async}
+                    results[name] = run_engine(dict(base, extra=extra))
+                    bar.update()
+            finally:
+                sidecar.kill()
+                sidecar.wait(30)
+            bar.update()
+    table = summarize(results)
+    print(f"model: {'random-weight Llama' if args.random_model else REAL_MODEL}, float32; {args.requests} requests "
+          f"of {args.prefix_tokens} shared + {args.suffix_tokens} own tokens, {args.output_tokens} output tokens")
+    print(f"{'case':<44} {'TTFT ms':>9} {'req/s':>7} {'vs vLLM cached':>15} {'vs nothing cached':>18}")
+    for row in table:
+        print(f"{row['case']:<44} {row['ttft_s'] * 1e3:>9.0f} {row['requests_per_s']:>7.2f} "
+              f"{row['throughput_vs_vllm_cached']:>14.2f}x {row['throughput_vs_nothing_cached']:>17.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
+                                         "raw": results, "table": table}, indent=2, default=str))
+    return 0
+
+
+def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
+    cached, nothing = results["vllm"]["prefix_cached"], results["vllm"]["nothing_cached"]
+    rows = [("vLLM, prefix cached", cached), ("vLLM, nothing cached", nothing)]
+    for name, label in (("kvstore", "loads in the step"), ("kvstore_async", "load_async")):
+        rows.append((f"kvstore ({label}), prefix in both", results[name]["prefix_in_both"]))
+        rows.append((f"kvstore ({label}), prefix in store only", results[name]["prefix_in_store"]))
+    return [dict(case=case, **row, throughput_vs_vllm_cached=row["requests_per_s"] / cached["requests_per_s"],
+                 throughput_vs_nothing_cached=row["requests_per_s"] / nothing["requests_per_s"])
+            for case, row in rows]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
