@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,23 +34,15 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.vllm_ttft import BLOCK, REAL_MODEL, Prompts, kv_bytes_per_token, model_facts, start_sidecar, \
-    write_random_model  # noqa: E402
+from bench.vllm_ttft import REAL_MODEL, Prompts, kv_bytes_per_token, make_engine, model_facts, run_engine, \
+    start_sidecar, write_random_model  # noqa: E402
 
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = dict(skip_tokenizer_init=True, block_size=BLOCK, enforce_eager=True, dtype="float32",
-                                  max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_bytes"],
-                                  enable_prefix_caching=True)
-    if job["extra"] is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config=job["extra"])
-    llm = LLM(job["model"], **kwargs)
+    llm = make_engine(job, dtype="float32", enable_prefix_caching=True)
     prompt = Prompts(job["model"], job["vocab_size"], job["has_tokenizer"])
     prefix = prompt(job["prefix_tokens"], salt=0)
     batches = iter(range(1, 1_000_000))
@@ -93,16 +83,6 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_engine(job: dict[str, Any]) -> dict[str, Any]:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    done = subprocess.run([sys.executable, __file__, "--engine-job", json.dumps(job)], capture_output=True, text=True,
-                          env=env, timeout=3600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"engine failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("ENGINE "):])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
@@ -141,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                         kv_cache_bytes=kv_cache_bytes, prefix_tokens=args.prefix_tokens,
                         suffix_tokens=args.suffix_tokens, requests=args.requests, output_tokens=args.output_tokens,
                         repeats=args.repeats)
-            results: dict[str, Any] = {"vllm": run_engine(dict(base, extra=None))}
+            results: dict[str, Any] = {"vllm": run_engine(dict(base, extra=None), __file__)}
             bar.update()
             store_bytes = f"{max(1024, 4 * per_token * args.requests * max_model_len >> 20)}MiB"
             sidecar, url = start_sidecar(root / "sidecar", store_bytes)
             try:
                 for name, load_async in (("kvstore", False), ("kvstore_async", True)):
                     extra = {"url": url, "timeout_s": 120, "load_async": load_async}
-                    results[name] = run_engine(dict(base, extra=extra))
+                    results[name] = run_engine(dict(base, extra=extra), __file__)
                     bar.update()
             finally:
                 sidecar.kill()

@@ -118,18 +118,27 @@ class Prompts:
 
 # -- one engine, in its own process -------------------------------------------------------------
 
-def engine_main(job: dict[str, Any]) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+def make_engine(job: dict[str, Any], **engine: Any) -> Any:
+    """vLLM's `LLM` for a job: its model, context and KV cache size, and the connector with
+    `job["extra"]` as its kv_connector_extra_config (None: no connector)."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = dict(skip_tokenizer_init=True, block_size=BLOCK, enforce_eager=True, dtype=job["dtype"],
-                                  max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_bytes"])
+    kwargs: dict[str, Any] = dict(skip_tokenizer_init=True, block_size=BLOCK, enforce_eager=True,
+                                  max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_bytes"],
+                                  **engine)
     if job["extra"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm", kv_role="kv_both",
             kv_connector_extra_config=job["extra"])
-    llm = LLM(job["model"], **kwargs)
+    return LLM(job["model"], **kwargs)
+
+
+def engine_main(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = make_engine(job, dtype=job["dtype"])
     prompt = Prompts(job["model"], job["vocab_size"], job["has_tokenizer"])
 
     def worker_stats() -> dict[str, float]:
@@ -202,13 +211,15 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_engine(job: dict[str, Any]) -> dict[str, Any]:
+def run_engine(job: dict[str, Any], script: str = __file__) -> dict[str, Any]:
+    """`script --engine-job JOB` in a fresh process (one engine, scheduler and worker in it): the
+    object its `ENGINE ` line prints."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    done = subprocess.run([sys.executable, __file__, "--engine-job", json.dumps(job)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, script, "--engine-job", json.dumps(job)], capture_output=True, text=True,
                           env=env, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"engine {job['plan']} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"engine {job.get('plan', '')} failed:\n{done.stderr[-3000:]}")
     return json.loads(lines[-1][len("ENGINE "):])
 
 
