@@ -44,7 +44,8 @@ lint: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 # One worker per CPU (tests/conftest.py gives each its own cores), a whole file per worker so a
-# module's engine or sidecar is built once; TEST_WORKERS=0 runs everything in this process.
+# module's engine or sidecar is built once, the files marked heavy first (tests/conftest.py);
+# TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= auto
 test: install lint
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile

@@ -10,12 +10,17 @@ from kvstore import KVStore, ModelSpec, StoreConfig
 
 
 def pytest_configure(config):
-    """Under `pytest -n N` (make test), each worker gets its own share of the CPUs.
+    """Under `pytest -n N` (make test), each worker gets its own share of the CPUs, and whole files
+    are handed out in the order `heavy_files_first` gives them.
 
-    Without it every worker's torch, and every vLLM engine or sidecar a test starts, sizes its
+    Without the affinity every worker's torch, and every vLLM engine or sidecar a test starts, sizes its
     thread pool to the whole machine, and N workers' spinning OpenMP threads fight over the same
     cores, which costs far more than the parallelism gains. The affinity is inherited by the
     processes a test starts (vLLM binds its threads to the CPUs it is allowed)."""
+    if config.getoption("dist", "no") == "loadfile":
+        # xdist would hand out files by their number of tests, most first, which leaves the
+        # files of one to three long tests for last: keep the order heavy_files_first gives.
+        config.option.loadscopereorder = False
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if worker is None or count is None or not hasattr(os, "sched_setaffinity"):
         return
@@ -50,6 +55,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if item.get_closest_marker("slow") is not None and not run_slow:
             item.add_marker(skip_slow)
+    items[:] = heavy_files_first(items)
+
+
+def heavy_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The files marked `heavy` (`pytestmark`: a real model, vLLM engines, many processes) first, in
+    collection order, then the rest by their number of tests, fewest first; tests keep their
+    order within a file.
+
+    xdist gives each worker a whole file at a time in this order (pytest_configure keeps it), so
+    the longest files start at once. A file of few tests is mostly end-to-end scenarios (a sidecar,
+    a subprocess, seconds each); a file of many is mostly unit tests of milliseconds: those last
+    make a tail of short files that the workers share out evenly, and they finish together."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def rank(tests: list[pytest.Item]) -> tuple[int, int]:
+        return (0, 0) if tests[0].get_closest_marker("heavy") is not None else (1, len(tests))
+
+    order = sorted(files.values(), key=rank)  # stable: heavy files keep their collection order
+    return [item for tests in order for item in tests]
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import pytest
 from bench import blend_quality
 from bench.blend_workload import Workload, WorkloadConfig, needle_correct
 
+pytestmark = pytest.mark.heavy  # the real model through bench/blend_quality.py
+
 # Short documents, so a prompt costs a few seconds of prefill on a CPU.
 SMALL = ["--doc-tokens", "30,60", "--docs-per-prompt", "3,3", "--prompt-tokens", "120,260"]
 

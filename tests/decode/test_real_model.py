@@ -23,7 +23,7 @@ from kvstore.store import KVStore
 transformers = pytest.importorskip("transformers")
 # The module's first test computes every prompt's answer once; on a busy 2-core host that alone
 # can pass the suite's per-test default.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
 
 NEW_TOKENS = 12
 QUESTIONS = [

@@ -26,7 +26,7 @@ from bench.vllm_server import BLOCK, EngineServer  # noqa: E402
 from integrations.sidecar_process import Sidecar, free_port  # noqa: E402
 from kvstore.decode.model_pull import pull  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
 
 MAX_TOKENS = 8
 TOPICS = ["for", "while", "if", "with", "assert", "return", "truth", "exceptions", "global", "import"]

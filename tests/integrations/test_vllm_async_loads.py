@@ -25,7 +25,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from integrations.conftest import save_checkpoint  # noqa: E402
 from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
 
 BLOCK = 32
 UNSERVED_SALT = "unserved-" + "x" * MAX_SALT_BYTES  # too long for the store: vLLM alone

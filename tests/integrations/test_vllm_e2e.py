@@ -40,7 +40,7 @@ from kvstore.decode.engine import generate  # noqa: E402
 from kvstore.decode.loader import load_checkpoint  # noqa: E402
 from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
 
 BLOCK = 32
 PREFIX = 640  # the prompts' shared prefix: 20 whole blocks

@@ -43,7 +43,7 @@ from kvstore import KVStoreClient  # noqa: E402
 from kvstore.decode import generate, load_checkpoint  # noqa: E402
 from kvstore.decode.model_pull import pull  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
 
 BLOCK = 32  # vLLM's block size; the store's pages are 16 tokens, the decode loop's
 MAX_TOKENS = 8  # enough for an answer to diverge, few enough for `make test`

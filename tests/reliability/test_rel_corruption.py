@@ -16,6 +16,8 @@ from kvstore import KVStore, StoreConfig
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_open import walk
 
+pytestmark = pytest.mark.heavy  # a child process per damaged reopening
+
 
 def test_damaged_leaf_and_branch_pages_never_kill_the_store_nor_serve_wrong_kv(tmp_path):
     report = run_page_damage(tmp_path, trials=50, seed=16)

@@ -6,6 +6,8 @@ import pytest
 
 from bench.reliability.crash import run_crash
 
+pytestmark = pytest.mark.heavy  # a sidecar started and killed in every round
+
 
 def test_write_through_survives_sigkill_at_random_moments(tmp_path):
     report = run_crash(tmp_path / "data", rounds=4, durability="write-through", load_s=0.6, seed=1)

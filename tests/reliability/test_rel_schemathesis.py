@@ -10,6 +10,8 @@ from hypothesis.errors import Unsatisfiable
 
 from bench.reliability.sidecar import Sidecar
 
+pytestmark = pytest.mark.heavy  # over a thousand requests, one test
+
 CASES_PER_OPERATION = 70  # x 10 operations x 2 modes (valid, invalid): > 1,000 distinct cases
 calls: list[tuple[str, str, int]] = []
 
