@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +77,23 @@ def heavy_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
 
     order = sorted(files.values(), key=rank)  # stable: heavy files keep their collection order
     return [item for tests in order for item in tests]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real model's checkpoint directory (make install pulls it; a cached one is returned at once)."""
+    from kvstore.decode.model_pull import pull
+
+    return pull("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2: Path):
+    """The real model, loaded once per process for every file that runs it (tests only read its
+    weights and tokenizer; each builds its own caches and stores)."""
+    from kvstore.decode import load_checkpoint
+
+    return load_checkpoint(smollm2, name="smollm2")
 
 
 @pytest.fixture

@@ -33,14 +33,6 @@ def save_checkpoint(directory: Path, seed: int = 0, max_shard_size: str | None =
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> Path:
-    """The real model's checkpoint directory (make install pulls it; a cached one is returned at once)."""
-    from kvstore.decode.model_pull import pull
-
-    return pull("smollm2")
-
-
-@pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {name: save_checkpoint(root / name, seed=i, **cfg) for i, (name, cfg) in enumerate(CHECKPOINTS.items())}

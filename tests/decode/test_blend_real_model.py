@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstore import KVStore, StoreConfig
-from kvstore.decode import generate, load_checkpoint
+from kvstore.decode import generate
 from kvstore.decode.attention import AttentionContext
 from kvstore.decode.cli import register
 from kvstore.decode.sidecar import InProcessSidecar
@@ -20,8 +20,8 @@ RATIO = 0.15
 
 
 @pytest.fixture(scope="module")
-def model(smollm2: Path):
-    return load_checkpoint(smollm2, name="smollm2")
+def model(smollm2_model):
+    return smollm2_model
 
 
 @pytest.fixture(scope="module")

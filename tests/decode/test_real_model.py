@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.decode import GenerateResult, LlamaModel, generate, load_checkpoint
+from kvstore.decode import GenerateResult, LlamaModel, generate
 from kvstore.decode.sidecar import InProcessSidecar
 from kvstore.store import KVStore
 
@@ -67,8 +67,8 @@ PROMPTS = range(len(QUESTIONS) + len(DOCUMENTS))
 
 
 @pytest.fixture(scope="module")
-def model(smollm2: Path) -> LlamaModel:
-    return load_checkpoint(smollm2, name="smollm2")
+def model(smollm2_model: LlamaModel) -> LlamaModel:
+    return smollm2_model
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from integrations.sidecar_process import Sidecar  # noqa: E402
 from kvstore import KVStoreClient  # noqa: E402
-from kvstore.decode import generate, load_checkpoint  # noqa: E402
-from kvstore.decode.model_pull import pull  # noqa: E402
+from kvstore.decode import generate  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
 
@@ -110,8 +109,8 @@ def decode_answer(model, messages, backend=None, store: bool = True, max_tokens:
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory) -> dict[str, Answer]:
-    directory = pull("smollm2")
+def story(tmp_path_factory, smollm2: Path, smollm2_model) -> dict[str, Answer]:
+    directory, model = smollm2, smollm2_model  # the decode loop's side, loaded once per process
     root = tmp_path_factory.mktemp("real-model")
     in_process = {"data_dir": str(root / "store"), "cpu_bytes": "64MiB", "disk_bytes": "128MiB"}
     sidecar = Sidecar(root / "sidecar", cpu_bytes="64MiB", disk_bytes="0")
@@ -121,7 +120,6 @@ def story(tmp_path_factory) -> dict[str, Answer]:
         answers["vllm B2 full"] = engine.ask(B2)
     finally:
         engine.close()
-    model = load_checkpoint(directory)
     sidecar.start()
     try:
         with KVStoreClient(sidecar.url) as client:
