@@ -133,7 +133,7 @@ def _pcie(spec: ModelSpec, n: int, record: Callable[..., None], int8: Any) -> No
     tier = GPUTier(n * GPUTier.slot_bytes(pb))
     keys = [i.to_bytes(4, "little") for i in range(n)]
     for key in keys:
-        tier.allocate(key, pb).copy_(torch.randn(pb // 2, device="cuda").half().view(torch.uint8))
+        tier.view(tier.allocate(key, pb), pb).copy_(torch.randn(pb // 2, device="cuda").half().view(torch.uint8))
     host = torch.empty(n, enc, dtype=torch.uint8).pin_memory()
     raw_host = torch.empty(n, pb, dtype=torch.uint8).pin_memory()
 
@@ -149,12 +149,12 @@ def _pcie(spec: ModelSpec, n: int, record: Callable[..., None], int8: Any) -> No
 
     def plain_down() -> None:
         for i, key in enumerate(keys):
-            raw_host[i].copy_(tier.get(key)[:pb], non_blocking=True)
+            raw_host[i].copy_(tier.view(tier.get(key), pb), non_blocking=True)
         torch.cuda.synchronize()
 
     def plain_up() -> None:
         for i, key in enumerate(keys):
-            tier.get(key)[:pb].copy_(raw_host[i], non_blocking=True)
+            tier.view(tier.get(key), pb).copy_(raw_host[i], non_blocking=True)
         torch.cuda.synchronize()
 
     record("demote_int8", pb, n, n * pb, _wall(demote), _wall(plain_down), "pinned .to()")
