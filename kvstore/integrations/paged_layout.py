@@ -33,6 +33,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvstore.gpu.dtypes import BITS_DTYPES, NUMPY_NATIVE
+
 # The canonical order of one block's elements: (K or V, token in block, head, dim).
 CANONICAL_BLOCK_DIMS = "(2, B, H, D)"
 
@@ -204,9 +206,7 @@ class StridedBlockLayout(PagedLayout):
 
 def _host(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array sharing its memory; 2-byte floats as int16 (bit-exact)."""
-    if t.dtype in (torch.float32, torch.float16, torch.float64):
-        return t.numpy()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+    return (t if t.dtype in NUMPY_NATIVE else t.view(BITS_DTYPES[t.element_size()])).numpy()
 
 
 # A cache writer as vLLM's CPU backend has one: (key (T, H, D), value (T, H, D), slot_mapping (T,))

@@ -12,8 +12,8 @@ import os
 from typing import Any, Mapping
 
 from kvstore import ModelSpec
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES
 
-KV_DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
 
 
 def store_model_name(served_model_name: Any, override: str | None = None) -> str:
@@ -41,9 +41,9 @@ def rope_of(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
 
 def model_spec(*, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: Any, page_size: int,
                hf_config: Any) -> ModelSpec:
-    dtype = KV_DTYPES.get(str(kv_dtype))
+    dtype = next((name for torch_dtype, name in KV_DTYPE_NAMES.items() if str(torch_dtype) == str(kv_dtype)), None)
     if dtype is None:
-        raise ValueError(f"kv cache dtype: kvstore holds {', '.join(KV_DTYPES.values())} KV, got {kv_dtype}")
+        raise ValueError(f"kv cache dtype: kvstore holds {', '.join(KV_DTYPE_NAMES.values())} KV, got {kv_dtype}")
     theta, scaling = rope_of(hf_config)
     return ModelSpec(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                      page_size=page_size, rope_theta=theta, rope_style="neox", rope_scaling=scaling)
