@@ -18,6 +18,7 @@ import torch
 
 from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
 from kvstore.codecs import TORCH_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES, NUMPY_NATIVE
 from kvstore.config import DTYPE_BYTES, ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
 from kvstore.keys import MAX_TOKEN_ID
@@ -28,8 +29,8 @@ from kvstore.validation import SMALL_TOKEN_LIST, check_salt, token_bytes
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
-_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-NUMPY_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}  # numpy has no bfloat16
+# The KV dtypes numpy has (bfloat16 it has not): fetch answers of these are typed by numpy.
+NUMPY_DTYPES = {name: np.dtype(name) for name, dtype in TORCH_DTYPES.items() if dtype in NUMPY_NATIVE}
 
 Parts = list[Any]  # bytes-like parts, sent back to back
 
@@ -63,16 +64,16 @@ def kv_bytes(kv: Any) -> tuple[memoryview, str]:
         kv = torch.from_numpy(kv)
     if not isinstance(kv, torch.Tensor):
         raise InvalidKV(f"kv: expected a torch tensor or numpy array, got {type(kv).__name__}", field="kv")
-    if kv.dtype not in _DTYPE_NAMES:
+    if kv.dtype not in KV_DTYPE_NAMES:
         raise InvalidKV(f"kv: dtype must be one of {', '.join(TORCH_DTYPES)}, got {kv.dtype}", field="kv")
     if kv.dim() != 5:
         raise InvalidKV(f"kv: expected shape (L, 2, T, H, D), got {tuple(kv.shape)}", field="kv")
     dense = kv.detach().cpu().contiguous()
     if dense.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits, as bytes, by torch
-        return memoryview(dense.view(-1).view(torch.uint8).numpy()), _DTYPE_NAMES[kv.dtype]
+        return memoryview(dense.view(-1).view(torch.uint8).numpy()), KV_DTYPE_NAMES[kv.dtype]
     # numpy's view of the same memory, cast to bytes: torch's two views cost twice as much.
     array = dense.numpy()
-    return memoryview(array).cast("B") if array.size else memoryview(b""), _DTYPE_NAMES[kv.dtype]
+    return memoryview(array).cast("B") if array.size else memoryview(b""), KV_DTYPE_NAMES[kv.dtype]
 
 
 def small_body(fields: dict[str, Any]) -> bytes:

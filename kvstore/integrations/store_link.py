@@ -165,10 +165,18 @@ class StoreLink:
         result = self._call("lookup", salt, lambda b: b.lookup(self.model, tokens, salt=salt))
         return 0 if result is None else int(result.matched_tokens)
 
-    def fetch(self, tokens: Sequence[int], start: int, salt: str | None) -> tuple[int, Any]:
+    def fetch(self, tokens: Sequence[int], start: int, salt: str | None,
+              into: Any = None) -> tuple[int, Any]:
         """(matched tokens, kv (L, 2, matched - start, H, D)) of `tokens`; (0, None) on failure.
-        Anything but KV of the spec's shape and dtype is a failure: it would be wrong tokens."""
-        result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt))
+        Anything but KV of the spec's shape and dtype is a failure: it would be wrong tokens.
+        `into` (a flat uint8 CPU tensor): where an in-process store writes the answer when it
+        fits (kv then views it); a sidecar's answer lands in the client's shared memory instead."""
+        if self._store is not None:
+            store = self._store
+            result = self._call("fetch", salt, lambda b: store.fetch(self.model, tokens, start=start, salt=salt,
+                                                                     into=into))
+        else:
+            result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt))
         if result is None or result.matched_tokens <= start or result.kv is None:
             return 0, None
         matched = min(int(result.matched_tokens), len(tokens))

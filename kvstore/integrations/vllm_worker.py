@@ -93,6 +93,10 @@ class WorkerSide:
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
+        # Per position in a step's loads, the buffer an in-process store answers into: a step's
+        # answers are consumed within it, and a reused buffer costs no page faults (a fresh one
+        # of a long prompt's KV does, on every hit).
+        self._staging: list[torch.Tensor] = []
         self._async_loads: dict[str, Future] = {}  # req id -> its load's blocks that failed
         self._loader: ThreadPoolExecutor | None = None  # one thread, made at the first async load
         self._stats_lock = threading.Lock()  # the loader thread counts too
@@ -134,15 +138,26 @@ class WorkerSide:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
                 self._async_loads[spec.req_id] = self._loader.submit(self._load_whole, spec)
                 continue
-            load = self._fetch(spec, self._failed_blocks)
+            load = self._fetch(spec, self._failed_blocks, self._staging_for(len(self._loads), spec))
             if load is not None:
                 self._loads.append(load)
 
-    def _fetch(self, spec: LoadSpec, failed: set[int]) -> _Load | None:
+    def _staging_for(self, position: int, spec: LoadSpec) -> torch.Tensor | None:
+        """The staging buffer of the step's `position`-th load, grown to fit `spec`'s answer."""
+        if self.link is None or self.link.in_process_store is None or not next(iter(self.layers.values())).is_cpu:
+            return None
+        nbytes = (len(spec.tokens) - spec.start) * self.spec.bytes_per_token
+        while len(self._staging) <= position:
+            self._staging.append(torch.empty(0, dtype=torch.uint8))
+        if self._staging[position].numel() < nbytes:
+            self._staging[position] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging[position]
+
+    def _fetch(self, spec: LoadSpec, failed: set[int], into: torch.Tensor | None = None) -> _Load | None:
         """The store's KV for a load, as whole blocks; the blocks it cannot fill go to `failed`."""
         B = self.block_size
         started = time.perf_counter()
-        matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt)
+        matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt, into)
         usable = max(0, (min(matched, len(spec.tokens)) - spec.start) // B)  # whole blocks the store still had
         failed.update(spec.block_ids[usable:])
         with self._stats_lock:

@@ -91,8 +91,8 @@ def test_a_load_that_fails_part_way_is_recomputed_to_the_same_tokens(llm):
     link = worker().link
     fetch = link.fetch
 
-    def short_fetch(tokens, start, salt):  # the store lost the last 4 blocks between lookup and load
-        matched, kv = fetch(tokens, start, salt)
+    def short_fetch(tokens, start, salt, into=None):  # the store lost the last 4 blocks between lookup and load
+        matched, kv = fetch(tokens, start, salt, into)
         keep = max(start, matched - 4 * BLOCK)
         return keep, (kv[:, :, :keep - start] if kv is not None and keep > start else None)
 
@@ -115,7 +115,7 @@ def test_a_load_that_raises_is_recomputed_to_the_same_tokens(llm):
     link = worker().link
     fetch = link.fetch
 
-    def broken(tokens, start, salt):
+    def broken(tokens, start, salt, into=None):
         raise RuntimeError("the store's answer was lost")
 
     link.fetch = broken
