@@ -213,20 +213,12 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
 
 
 def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device, *,
-               count: bool = True, into: torch.Tensor | None = None,
-               memory_only_max_bytes: int | None = None) -> FetchPlan | None:
-    """The plan of a fetch of `tb` (int32 LE token bytes) from token `start`, made under the
-    lock. `memory_only_max_bytes`: None instead, with nothing done or counted, when the plan
-    would need I/O or answer more bytes than this."""
+               count: bool = True, into: torch.Tensor | None = None) -> FetchPlan:
+    """The plan of a fetch of `tb` (int32 LE token bytes) from token `start`, made under the lock."""
     with state.lock:
         state.drain_lost_copies()
         tiers, placement = state.tiers, state.placement
         match = state.index.match(root_key, tb, spec.page_size)
-        if memory_only_max_bytes is not None and (
-                (match.matched_tokens - start) * spec.bytes_per_token > memory_only_max_bytes
-                or not tiers.memory_only
-                and any(not tiers.keeps_slots(tiers.source_tier(node)) for node in match.path)):
-            return None
         requested = len(tb) // TOKEN_BYTES
         if count:
             state.counters["fetches"] += 1

@@ -195,9 +195,7 @@ class KVStore:
     def _fetch(self, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
                count: bool = True, into: torch.Tensor | None = None) -> FetchResult:
         probe_shared(self._state, root_key, namespace, spec, tb)
-        plan = plan_fetch(self._state, root_key, spec, tb, start, dev, count=count, into=into)
-        assert plan is not None
-        return plan.run()
+        return plan_fetch(self._state, root_key, spec, tb, start, dev, count=count, into=into).run()
 
     def _fetch_head(self, namespace: bytes) -> Any:
         """store_pages' read of the pages before `start`, in `namespace`'s trees."""
@@ -263,9 +261,7 @@ class KVStore:
         start = check_start(start, len(tb) // TOKEN_BYTES)
         dev = _device(device)
         probe_shared(self._state, root_key, entry.namespace, entry.spec, tb)  # returns at once without a shared tier
-        plan = plan_fetch(self._state, root_key, entry.spec, tb, start, dev, into=check_into(into, dev))
-        assert plan is not None
-        return plan
+        return plan_fetch(self._state, root_key, entry.spec, tb, start, dev, into=check_into(into, dev))
 
     # -- stats -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -35,10 +35,6 @@ import torch
 
 from kvstore.gpu.dtypes import BITS_DTYPES, NUMPY_NATIVE
 
-# The canonical order of one block's elements: (K or V, token in block, head, dim).
-CANONICAL_BLOCK_DIMS = "(2, B, H, D)"
-
-
 class UnsupportedLayout(ValueError):
     """The engine's paged KV layout is not one this module knows how to read; named in the message."""
 
