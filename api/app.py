@@ -1,8 +1,10 @@
-"""`create_app(store, config)`: the aiohttp application around one store.
+"""`create_app(store, config)`: the sidecar around one store: its state, its data plane and the
+aiohttp application of its admin routes.
 
 The app does not own the store (whoever made it closes it, after the app has finished its
 in-flight requests); it owns its thread pool, which it shuts down on cleanup, waiting for
-running store calls so that closing the store afterwards is safe.
+running store calls so that closing the store afterwards is safe. On shutdown the data plane
+finishes its requests under way first (api/fast_path.py `drain`).
 """
 from __future__ import annotations
 
@@ -11,43 +13,53 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore.api.auth import authenticate, load_auth_file
-from kvstore.api.catch_up import CATCH_UP, CatchUp, learn_after
+from kvstore.api.auth import load_auth_file
+from kvstore.api.catch_up import CatchUp
 from kvstore.api.config import ServerConfig
-from kvstore.api.context import AUTH, CONFIG, EXECUTOR, LOOP_STORE, SHARED_MEMORY, STORE
-from kvstore.api.fast_path import FAST_PATH, FastPath, count_answers
+from kvstore.api.context import (AUTH, CATCH_UP, CONFIG, EXECUTOR, FAST_PATH, LOOP_STORE, METRICS, SHARED_MEMORY,
+                                 STATE, STORE)
+from kvstore.api.fast_path import FastPath
 from kvstore.api.loop_store import LoopStore
-from kvstore.api.metrics import METRICS, Metrics, measure
-from kvstore.api.middleware import errors
+from kvstore.api.metrics import Metrics
+from kvstore.api.middleware import authenticate, count_answers, errors, learn_after, measure
 from kvstore.api.routes import ROUTES
 from kvstore.api.shared_memory import SharedMemoryArenas
+from kvstore.api.state import SidecarState
 
 
-def create_app(store: Any, config: ServerConfig | None = None) -> web.Application:
+def create_app(store: Any, config: ServerConfig | None = None, *, keepalive_timeout_s: float = 75.0) -> web.Application:
+    """`keepalive_timeout_s`: how long a connection may sit with no request under way before the
+    data plane closes it."""
     config = config or ServerConfig()
-    # Order: metrics sees the final status of everything, errors turns exceptions (auth's 401
-    # included) into bodies, auth runs before any handler.
-    # count_answers (with the fast path only) sees an answer once it is written; learn_after,
-    # outermost, then lets the eviction policy learn from the request (api/catch_up.py).
-    middlewares = [learn_after] + ([count_answers] if config.fast_path else []) + [measure, errors, authenticate]
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
-    app[STORE] = store
-    app[LOOP_STORE] = loop_store = LoopStore(store)
-    loop_store.learn_later(True)
-    app[CATCH_UP] = CatchUp(loop_store)
-    app[CONFIG] = config
     auth = load_auth_file(config.auth_file) if config.auth_file else None
-    app[AUTH] = auth.tokens if auth else {}
+    loop_store = LoopStore(store)
+    loop_store.learn_later(True)
+    state = SidecarState(
+        store=store, loop_store=loop_store, config=config,
+        executor=ThreadPoolExecutor(config.executor_threads, thread_name_prefix="kvstore-api"),
+        shared_memory=SharedMemoryArenas(config.shared_memory), auth=auth.tokens if auth else {},
+        metrics=Metrics(store.stats), catch_up=CatchUp(loop_store))
     for tenant, max_bytes in (auth.quotas if auth else {}).items():
         store.set_tenant_quota(tenant, max_bytes)
-    app[EXECUTOR] = ThreadPoolExecutor(config.executor_threads, thread_name_prefix="kvstore-api")
-    app[METRICS] = Metrics(store.stats)
-    app[SHARED_MEMORY] = SharedMemoryArenas(config.shared_memory)
+    # Order (api/middleware.py): learn_after, outermost, lets the eviction policy learn once the
+    # answer is out; count_answers tells the data plane it is out; metrics sees the final status
+    # of everything; errors turns exceptions (auth's 401 included) into bodies; auth runs before
+    # any handler.
+    app = web.Application(middlewares=[learn_after, count_answers, measure, errors, authenticate],
+                          client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    app[STORE], app[LOOP_STORE], app[CONFIG], app[EXECUTOR] = store, loop_store, config, state.executor
+    app[SHARED_MEMORY], app[AUTH], app[METRICS], app[CATCH_UP] = (state.shared_memory, state.auth, state.metrics,
+                                                                  state.catch_up)
+    app[FAST_PATH] = FastPath(state, keepalive_timeout_s)
     app.add_routes(ROUTES)
-    if config.fast_path:
-        app[FAST_PATH] = FastPath(app)
+    app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown_executor)
     return app
+
+
+async def _drain(app: web.Application) -> None:
+    await app[FAST_PATH].drain(app[CONFIG].shutdown_timeout_s)
 
 
 async def _shutdown_executor(app: web.Application) -> None:

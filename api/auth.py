@@ -6,7 +6,9 @@ name an entry by its position and tenant, never by its token. Every `/v1/*` requ
 `Authorization: Bearer <token>`; a missing or unknown token is 401. The presented token is
 compared against every known token with `hmac.compare_digest` and no early exit, so response
 time says nothing about how much of a token was right. Without an auth file there is no
-tenant (None) and the server only binds loopback (see server.py).
+tenant (None) and the server only binds loopback (see server.py). The data plane checks a
+request's token as it reads its head (api/fast_path.py); aiohttp's `authenticate` middleware
+(api/middleware.py) an admin request's.
 """
 from __future__ import annotations
 
@@ -14,11 +16,6 @@ import hmac
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
-
-from aiohttp import web
-
-from kvstore.api.context import AUTH, TENANT
 from kvstore.errors import Unauthorized
 from kvstore.sizes import parse_bytes
 
@@ -77,15 +74,6 @@ def find_tenant(table: dict[bytes, str], presented: bytes) -> str | None:
         if hmac.compare_digest(token, presented):  # no break: constant work whatever matches
             found = tenant
     return found
-
-
-@web.middleware
-async def authenticate(request: web.Request,
-                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    table = request.app[AUTH]
-    if table and request.path.startswith(PROTECTED_PREFIX):
-        request[TENANT] = bearer_tenant(table, request.headers.get("Authorization", ""))
-    return await handler(request)
 
 
 def bearer_tenant(table: dict[bytes, str], authorization: str) -> str:

@@ -1,4 +1,5 @@
-"""Read an HTTP body into one buffer, allocated once.
+"""Read an admin request's body (aiohttp's, api/admin_wire.py) into one buffer, allocated once; the
+data routes' bodies are the data plane's (api/request_body.py).
 
 aiohttp's `Request.read()` grows a bytearray chunk by chunk and then copies it into `bytes`
 (two copies of every KV byte, plus reallocations). With a known Content-Length we allocate the
@@ -18,6 +19,7 @@ import asyncio
 import torch
 from aiohttp import StreamReader
 
+from kvstore.api.request_body import EAGER_ALLOC_BYTES  # the admin routes' bodies are read the same way
 from kvstore.host_memory import empty_host
 
 from kvstore.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
@@ -25,7 +27,6 @@ from kvstore.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 # Let the transport run ahead of us by this much before aiohttp pauses reading: the default
 # (128 KiB) would pause and resume the socket a dozen times per 2 MiB page.
 READ_AHEAD_BYTES = 8 << 20
-EAGER_ALLOC_BYTES = 4 << 20  # a 2 MiB page and its fields fit: the common body is never regrown
 
 
 def _timed_out(got: int) -> RequestTimeout:

@@ -5,7 +5,8 @@ caches to learn which of its two rules to follow. That is most of what the polic
 (kvstore/policies/duel.py, `DuelPolicy`), and none of it changes the answer. So the app holds it
 (`learn_later` when the app is made, undone on cleanup) and replays it once an answer is
 written: `soon()` queues one `catch_up` behind the answers of the current loop pass, where it
-runs while the client reads its answer and sends the next request.
+runs while the client reads its answer and sends the next request. The data plane calls it after
+each answer it writes; aiohttp's `learn_after` middleware (api/middleware.py) after each admin one.
 
 A pool thread holding the store's lock (a disk store, a blend) makes the catch-up retry a
 millisecond later rather than block the event loop.
@@ -13,9 +14,7 @@ millisecond later rather than block the event loop.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
-
-from aiohttp import web
+from typing import Any
 
 RETRY_S = 0.001  # the store's lock was busy: try again this much later
 
@@ -40,17 +39,3 @@ class CatchUp:
             self.queued = False
         else:
             asyncio.get_running_loop().call_later(RETRY_S, self._run)
-
-
-CATCH_UP: web.AppKey[CatchUp] = web.AppKey("catch_up", CatchUp)
-
-
-@web.middleware
-async def learn_after(request: web.Request,
-                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """The outermost middleware: every request aiohttp answers queues a catch-up (the fast path
-    queues its own)."""
-    try:
-        return await handler(request)
-    finally:
-        request.app[CATCH_UP].soon()

@@ -34,9 +34,6 @@ class ServerConfig:
     # Redis, no disk writes) runs on the event loop: a copy that size costs about what the hop to a
     # pool thread and back does on a busy host, so the hop would only add to it.
     inline_copy_bytes: int = 4 << 20
-    # Answer data requests that need no I/O straight from the connection's reads, before
-    # aiohttp's request machinery (api/fast_path.py; what it saves: docs/performance.md).
-    fast_path: bool = True
     # The event loop `kvstore serve` runs on: "auto" (uvloop when installed, else asyncio's),
     # "uvloop" or "asyncio" (api/event_loop.py says why).
     event_loop: str = "auto"
@@ -58,7 +55,7 @@ class ServerConfig:
         check_int("executor_threads", self.executor_threads, 1, 1024)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
-        for name in ("insecure", "shared_memory", "fast_path"):
+        for name in ("insecure", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         if not (isinstance(self.shutdown_timeout_s, (int, float)) and 0 <= self.shutdown_timeout_s <= 3600):

@@ -14,7 +14,8 @@ from typing import Callable, cast
 
 from aiohttp import web
 
-from kvstore.api.fast_path import FAST_PATH, FastPath, Lane
+from kvstore.api.context import FAST_PATH
+from kvstore.api.fast_path import Connection, FastPath
 
 _BODY = b'{"error": {"code": "too_many_connections", "message": "server connection limit reached; retry"}}'
 REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -29,29 +30,25 @@ class _Refuse(asyncio.Protocol):
 
 
 class _Counted(asyncio.Protocol):
-    """Delegates to aiohttp's handler, after offering each read to the app's fast path (if it
-    has one); tells the site when the connection is gone.
+    """A counted connection: every read goes to the data plane (api/fast_path.py `Connection`),
+    which hands admin requests to aiohttp's protocol for the connection (`inner`); tells the site
+    when the connection is gone.
 
     Counted here, not from `web.Server.connections`: a burst of connections is accepted (and
     the factory called for each) before any handler's `connection_made` has run."""
 
-    def __init__(self, inner: asyncio.Protocol, site: "ConnectionLimitedSite", fast: FastPath | None):
+    def __init__(self, inner: asyncio.Protocol, site: "ConnectionLimitedSite", fast: FastPath):
         self._inner = inner
         self._site = site
         self._fast = fast
-        self._lane: Lane | None = None
+        self._connection: Connection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._fast is not None:
-            self._lane = self._fast.lane(transport, self._inner)
+        self._connection = self._fast.connection(transport, self._inner)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        lane = self._lane
-        if lane is not None:  # the data routes' fast path (api/fast_path.py), else aiohttp's
-            lane.received(data)
-        else:
-            self._inner.data_received(data)
+        self._connection.data_received(data)  # type: ignore[union-attr]
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received()
@@ -64,8 +61,8 @@ class _Counted(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._site.live -= 1
-        if self._lane is not None:
-            self._fast.drop(self._lane.transport)  # type: ignore[union-attr]
+        if self._connection is not None:
+            self._fast.drop(self._connection.transport)
         self._inner.connection_lost(exc)
 
 
@@ -86,7 +83,8 @@ class ConnectionLimitedSite(web.SockSite):
             self._factory(server), sock=self._sock, backlog=self._backlog)
 
     def _factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
-        fast = self._runner.app.get(FAST_PATH) if isinstance(self._runner, web.AppRunner) else None
+        assert isinstance(self._runner, web.AppRunner)
+        fast = self._runner.app[FAST_PATH]
 
         def make() -> asyncio.BaseProtocol:
             if self.live >= self._max_connections:

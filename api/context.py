@@ -1,7 +1,9 @@
-"""What a handler reaches through its request: the store, the settings, the blocking-work pool.
+"""What an admin handler reaches through its aiohttp request: the app's parts, by typed key.
 
 Typed `AppKey`s instead of string keys, so a handler's `request.app[STORE]` is a `KVStore` to the
-type checker. `run_blocking` is the one way handlers leave the event loop.
+type checker. Every key holds the same object as the app's `SidecarState` (api/state.py), which
+is what the data plane is handed instead of the aiohttp app. `run_blocking` is the one way the
+admin handlers leave the event loop.
 """
 from __future__ import annotations
 
@@ -12,11 +14,16 @@ from typing import Any, Callable, TypeVar
 
 from aiohttp import web
 
+from kvstore.api.catch_up import CatchUp
 from kvstore.api.config import ServerConfig
+from kvstore.api.fast_path import FastPath
+from kvstore.api.metrics import Metrics
 from kvstore.api.shared_memory import SharedMemoryArenas
+from kvstore.api.state import SidecarState
 
 T = TypeVar("T")
 
+STATE: web.AppKey[SidecarState] = web.AppKey("state", SidecarState)
 STORE: web.AppKey[Any] = web.AppKey("store", object)  # a KVStore (kept Any: store.py imports torch, lmdb)
 # The same store as the event loop calls it (api/loop_store.py `LoopStore`; Any for the same reason).
 LOOP_STORE: web.AppKey[Any] = web.AppKey("loop_store", object)
@@ -24,6 +31,9 @@ CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
 EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("executor", ThreadPoolExecutor)
 SHARED_MEMORY: web.AppKey[SharedMemoryArenas] = web.AppKey("shared_memory", SharedMemoryArenas)
 AUTH: web.AppKey[dict[bytes, str]] = web.AppKey("auth", dict)  # bearer token -> tenant; empty = no auth
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
+CATCH_UP: web.AppKey[CatchUp] = web.AppKey("catch_up", CatchUp)
+FAST_PATH: web.AppKey[FastPath] = web.AppKey("fast_path", FastPath)  # the data plane, which serves every connection
 # Request key: the tenant of the bearer token (absent without auth). RequestKey is aiohttp >= 3.13.
 TENANT: Any = web.RequestKey("tenant", str) if hasattr(web, "RequestKey") else "kvstore.tenant"
 

@@ -3,14 +3,14 @@ tests, never collide): requests by route and status, latency by route, and the s
 per-tier counters read from `store.stats()` at scrape time.
 
 Routes are labelled by their template (`/v1/models/{model}`), never the raw path, so a client
-cannot blow up label cardinality; unmatched paths share one label.
+cannot blow up label cardinality; unmatched paths share one label (UNMATCHED). Both servers count
+into the same two metrics: the data plane (api/fast_path.py) as it writes an answer, aiohttp's
+`measure` middleware (api/middleware.py) for the admin routes.
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 # Store stats that only grow: exported as counters; everything else per tier is a gauge.
 MONOTONIC = frozenset({"hits", "misses", "evictions", "corrupt_records", "promotions", "demotions", "dropped_pages",
                        "lookups", "fetches", "stores", "requested_tokens", "lookup_hit_tokens"})
+UNMATCHED = "unmatched"  # the route label of a path no route matches (and of a wrong method)
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -93,31 +94,3 @@ class Metrics:
         return generate_latest(self.registry)
 
     content_type = CONTENT_TYPE_LATEST
-
-
-METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
-
-
-def route_label(request: web.Request) -> str:
-    route = request.match_info.route
-    resource = route.resource if route is not None else None
-    return resource.canonical if resource is not None else "unmatched"
-
-
-@web.middleware
-async def measure(request: web.Request,
-                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    metrics = request.app[METRICS]
-    began = time.perf_counter()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    finally:
-        route = route_label(request)
-        metrics.requests.labels(route, request.method, str(status)).inc()
-        metrics.latency.labels(route, request.method).observe(time.perf_counter() - began)

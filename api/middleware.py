@@ -1,20 +1,25 @@
-"""The one error middleware: every failure leaves as `{"error": {"code", "message"}}`.
+"""aiohttp's middleware chain, which only the admin routes pass through (the data plane,
+api/fast_path.py, does the same for the data routes as it reads and answers them).
 
-`KVStoreError` subclasses carry their code and HTTP status; aiohttp's own HTTP errors (unknown
-route 404, wrong method 405) get the same body shape; anything else is a bug: logged with its
-traceback and answered 500 without internals.
+Outermost first (api/app.py): `learn_after` lets the eviction policy learn once the answer is out;
+`count_answers` tells the data plane an answer is written, so that the connection's next request
+may be answered; `measure` counts every answer by route template and status; `errors` turns every
+failure into `{"error": {"code", "message"}}` (api/failures.py `error_of`; aiohttp's own 404 and
+405 get the same shape); `authenticate` checks the bearer token before any handler.
 """
 from __future__ import annotations
 
-import logging
+import time
 from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from kvstore.api import wire
+from kvstore.api.admin_wire import respond
+from kvstore.api.auth import PROTECTED_PREFIX, bearer_tenant
+from kvstore.api.context import AUTH, CATCH_UP, FAST_PATH, METRICS, TENANT
+from kvstore.api.failures import error_of
+from kvstore.api.metrics import UNMATCHED
 from kvstore.errors import KVStoreError
-
-log = logging.getLogger("kvstore.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -22,22 +27,54 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_la
 
 
 def error_response(request: web.Request, status: int, code: str, message: str) -> web.Response:
-    response = wire.respond(request, {"error": {"code": code, "message": message}}, status=status)
+    response = respond(request, {"error": {"code": code, "message": message}}, status=status)
     if status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="kvstore"'
     return response
 
 
-def error_of(exc: Exception, method: str, path: str) -> tuple[int, str, str]:
-    """(status, code, message) of a failure that is not aiohttp's own: a `KVStoreError` says
-    them; anything else is a bug, logged with its traceback. The fast path answers its failures
-    through this too, so both servers answer one failure alike."""
-    if isinstance(exc, KVStoreError):
-        if exc.status >= 500:
-            log.warning("%s %s: %s: %s", method, path, exc.code, exc.message)
-        return exc.status, exc.code, exc.message
-    log.error("unhandled error in %s %s", method, path, exc_info=exc)
-    return 500, KVStoreError.code, "internal error (logged by the server)"
+@web.middleware
+async def learn_after(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every admin request queues a catch-up of the policy (api/catch_up.py)."""
+    try:
+        return await handler(request)
+    finally:
+        request.app[CATCH_UP].soon()
+
+
+@web.middleware
+async def count_answers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Writes the answer itself, then tells the connection (api/fast_path.py `Connection`) it is
+    out: the connection holds its next request until then, so answers leave in request order."""
+    response = await handler(request)
+    await response.prepare(request)  # aiohttp would write it after we return; it skips a written one
+    await response.write_eof()
+    request.app[FAST_PATH].answered_by_aiohttp(request.transport)
+    return response
+
+
+def route_label(request: web.Request) -> str:
+    route = request.match_info.route
+    resource = route.resource if route is not None else None
+    return resource.canonical if resource is not None else UNMATCHED
+
+
+@web.middleware
+async def measure(request: web.Request, handler: Handler) -> web.StreamResponse:
+    metrics = request.app[METRICS]
+    began = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        route = route_label(request)
+        metrics.requests.labels(route, request.method, str(status)).inc()
+        metrics.latency.labels(route, request.method).observe(time.perf_counter() - began)
 
 
 @web.middleware
@@ -60,3 +97,11 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return response
     except Exception as exc:
         return error_response(request, *error_of(exc, request.method, request.path))
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    table = request.app[AUTH]
+    if table and request.path.startswith(PROTECTED_PREFIX):
+        request[TENANT] = bearer_tenant(table, request.headers.get("Authorization", ""))
+    return await handler(request)

@@ -1,4 +1,5 @@
-"""`GET /openapi.json`: an OpenAPI 3.1 document of the sidecar, built from the live route table.
+"""`GET /openapi.json`: an OpenAPI 3.1 document of the sidecar, built from the live route tables
+(the data plane's and aiohttp's).
 
 `OPERATIONS` describes each (method, path); the document lists exactly the app's routes, so a
 route without a description shows up as "undocumented" (and fails tests/api/test_openapi.py)
@@ -13,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore.api.handlers import DATA_ROUTES
 from kvstore.config import CODECS, DTYPE_BYTES, ROPE_STYLES
 
 MSGPACK = "application/msgpack"
@@ -189,10 +191,16 @@ def template_path(path: str) -> str:
     return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", path)
 
 
+def served_routes(app: web.Application) -> list[tuple[str, str]]:
+    """(method, path template) of every route the sidecar serves: the data plane's (every data
+    route is a POST) and aiohttp's admin routes."""
+    admin = [(route.method, route.resource.canonical if route.resource else "") for route in app.router.routes()]
+    return [("POST", path) for path in DATA_ROUTES] + admin
+
+
 def openapi_document(app: web.Application) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
-    for route in app.router.routes():
-        method, path = route.method, route.resource.canonical if route.resource else ""
+    for method, path in served_routes(app):
         operation = OPERATIONS.get((method, path), {"summary": "undocumented", "responses": {}})
         if path.startswith("/v1/"):
             operation = {**operation, "security": [{"bearer": []}]}

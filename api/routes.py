@@ -1,33 +1,29 @@
 """The route table: every endpoint of the sidecar, in one place (docs/design.md §7.2).
 
-`DATA_ROUTES` are the POST routes that move KV: each has one handler (api/handlers.py), which both
-the fast path (api/fast_path.py) and aiohttp call. The rest are aiohttp's alone.
+The data routes (api/handlers.py `DATA_ROUTES`: lookup, store, fetch, chunks/store, blend, shm)
+are served by the data plane (api/fast_path.py), which reads every request of every connection.
+`ROUTES` are the admin routes, the ones it hands to aiohttp: health, metrics, the OpenAPI
+document, stats and the model registry; aiohttp also answers 404 and 405 for paths that are
+neither.
 
-Adding an endpoint is one line here, one handler, and its entry in openapi.py (a test fails
-until the OpenAPI document describes every route listed here).
+Adding an endpoint is one line here (or in `DATA_ROUTES`), one handler, and its entry in
+openapi.py (a test fails until the OpenAPI document describes every route).
 """
 from __future__ import annotations
 
 from aiohttp import web
 
-from kvstore.api import handlers
+from kvstore.api import admin_handlers
+from kvstore.api.handlers import DATA_ROUTES
 
-DATA_ROUTES: dict[str, handlers.Handler] = {
-    "/v1/lookup": handlers.lookup,
-    "/v1/store": handlers.store,
-    "/v1/fetch": handlers.fetch,
-    "/v1/chunks/store": handlers.store_chunk,
-    "/v1/blend": handlers.blend,
-}
+__all__ = ["DATA_ROUTES", "ROUTES"]
 
 ROUTES: list[web.RouteDef] = [
-    web.get("/healthz", handlers.healthz, allow_head=False),
-    web.get("/metrics", handlers.metrics, allow_head=False),
-    web.get("/openapi.json", handlers.openapi, allow_head=False),
-    web.get("/v1/stats", handlers.stats, allow_head=False),
-    web.put("/v1/models/{model:.+}", handlers.put_model),
-    web.get("/v1/models/{model:.+}", handlers.get_model, allow_head=False),
-    web.delete("/v1/models/{model:.+}", handlers.delete_model),
-    web.post("/v1/shm", handlers.attach_shared_memory),
-    *(web.post(path, handlers.aiohttp_handler(handler)) for path, handler in DATA_ROUTES.items()),
+    web.get("/healthz", admin_handlers.healthz, allow_head=False),
+    web.get("/metrics", admin_handlers.metrics, allow_head=False),
+    web.get("/openapi.json", admin_handlers.openapi, allow_head=False),
+    web.get("/v1/stats", admin_handlers.stats, allow_head=False),
+    web.put("/v1/models/{model:.+}", admin_handlers.put_model),
+    web.get("/v1/models/{model:.+}", admin_handlers.get_model, allow_head=False),
+    web.delete("/v1/models/{model:.+}", admin_handlers.delete_model),
 ]

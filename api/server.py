@@ -1,8 +1,8 @@
 """`kvstore serve`: run the sidecar until SIGTERM/SIGINT, then shut down cleanly; and `serve_app`,
 the one way the app is served: by `kvstore serve`, `InProcessSidecar` (decode/sidecar.py, which
 `kvstore demo`, bench/ttft.py and the vLLM connector's loopback sidecar run) and the tests' live
-server. Each gets the same site: the connection limit, and the fast path unless the config turns
-it off.
+server. Each gets the same site: the connection limit, and the data plane (api/fast_path.py)
+reading every connection.
 
 Order on a signal: stop accepting connections, let in-flight requests finish (up to
 `shutdown_timeout_s`), shut the app's thread pool down (waiting for running store calls), then
@@ -28,7 +28,7 @@ from kvstore.api.auth import load_auth_file
 from kvstore.api import event_loop
 from kvstore.api.config import ServerConfig
 from kvstore.api.connection_limit import ConnectionLimitedSite
-from kvstore.api.metrics import METRICS
+from kvstore.api.context import METRICS
 from kvstore.config import StoreConfig
 from kvstore.sizes import format_bytes
 
@@ -39,6 +39,10 @@ log = logging.getLogger("kvstore.serve")
 # entries, `duel`'s shadow pages), so at 700 the collector ran every few requests and its
 # middle generation kept re-scanning them (docs/performance.md has the measurement).
 GC_YOUNG_THRESHOLD = 50_000
+# aiohttp's own keep-alive timeout: never. The data plane times idle connections out, since it
+# sees every request (aiohttp sees only the admin ones, and closed connections the data plane
+# was serving).
+AIOHTTP_KEEPALIVE_S = 1e9
 
 
 class ServeError(Exception):
@@ -152,11 +156,12 @@ async def serve_app(store: Any, config: ServerConfig, sock: socket.socket, *, pu
                     before_listening: Any = None) -> Served:
     """Serve the app around `store` on the bound socket `sock` (`listen_socket`) until `close()`.
     `publisher`: a started KV-events publisher, whose counters /metrics then shows;
+    `keepalive_timeout_s`: how long a connection may sit with no request under way;
     `before_listening`: called once the app is set up, before the first connection is accepted."""
-    app = create_app(store, config)
+    app = create_app(store, config, keepalive_timeout_s=keepalive_timeout_s)
     if publisher is not None:
         app[METRICS].watch_kv_events(publisher)
-    runner = web.AppRunner(app, handle_signals=False, access_log=access_log, keepalive_timeout=keepalive_timeout_s,
+    runner = web.AppRunner(app, handle_signals=False, access_log=access_log, keepalive_timeout=AIOHTTP_KEEPALIVE_S,
                            shutdown_timeout=config.shutdown_timeout_s)
     await runner.setup()
     try:

@@ -7,12 +7,13 @@ copied here. Type errors name their field; range checks that need the model spec
 happen in `kv_tensor`, the rest of the semantics (token ranges against the model, page
 bookkeeping) is the store's.
 
-Responses are msgpack, or JSON when the request asked for it (Accept, else Content-Type).
-The fetch response writes the msgpack prefix and then the tensor's own bytes.
+Responses are msgpack, or JSON when the request asked for it (Accept, else Content-Type:
+`answer_in_json`). Nothing here knows a server: the data plane (api/fast_path.py) writes the
+data routes' answers, a fetch's as a msgpack prefix and then the tensor's own bytes; aiohttp's
+admin handlers answer through api/admin_wire.py.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import functools
@@ -21,19 +22,15 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
-from aiohttp import web
 
-from kvstore.api.body import read_exact, read_limited
-from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
+from kvstore.api.framing import FramingError, unpack_map
 from kvstore.api.nesting import json_too_deep
 from kvstore.api.shared_memory import Registration
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
-from kvstore.errors import (InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens,
-                            PayloadTooLarge, UnsupportedMediaType)
+from kvstore.errors import InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens
 from kvstore.keys import MAX_TOKEN_ID
 
 MSGPACK = "application/msgpack"
@@ -78,21 +75,6 @@ class BlendRequest:
 
 
 # ---- reading ---------------------------------------------------------------------------------
-
-async def read_request(request: web.Request, max_body_bytes: int,
-                       body_timeout_s: float | None = None) -> dict[str, Any]:
-    """Read the body once and decode its top-level map (bin fields stay views of the body)."""
-    ctype = request.content_type if request.headers.get("Content-Type") else ""
-    if ctype not in MSGPACK_TYPES and ctype not in DEFAULT_TYPES and ctype != JSON:
-        raise UnsupportedMediaType(f"Content-Type: expected {MSGPACK} or {JSON}, got {ctype!r}", field="Content-Type")
-    length = request.content_length
-    if length is not None and length > max_body_bytes:
-        raise PayloadTooLarge(f"body: {length} bytes exceeds the limit of {max_body_bytes} bytes", field="body")
-    deadline = None if body_timeout_s is None else asyncio.get_running_loop().time() + body_timeout_s
-    body = await (read_exact(request.content, length, deadline) if length is not None
-                  else read_limited(request.content, max_body_bytes, deadline))
-    return decode_json(body) if ctype == JSON else decode_msgpack(body)
-
 
 def decode_msgpack(body: bytearray | memoryview) -> dict[str, Any]:
     try:
@@ -292,10 +274,6 @@ def _show(value: Any) -> str:
 
 # ---- writing ---------------------------------------------------------------------------------
 
-def wants_json(request: web.Request) -> bool:
-    return answer_in_json(request.headers.get("Accept", ""), request.content_type, request.method)
-
-
 def answer_in_json(accept: str, content_type: str, method: str) -> bool:
     """Whether an answer is JSON: the Accept header decides, else the request's Content-Type
     (a bodiless GET or DELETE with no Accept gets JSON, as a browser or curl would want)."""
@@ -304,12 +282,6 @@ def answer_in_json(accept: str, content_type: str, method: str) -> bool:
     if JSON in accept:
         return True
     return content_type == JSON or method in ("GET", "DELETE") and not accept
-
-
-def respond(request: web.Request, obj: Any, status: int = 200) -> web.Response:
-    if wants_json(request):
-        return web.json_response(obj, status=status)
-    return web.Response(body=msgpack.packb(obj, use_bin_type=True), status=status, content_type=MSGPACK)
 
 
 def kv_payload(kv: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
@@ -337,20 +309,3 @@ def fetch_answer(matched_tokens: int, kv: torch.Tensor | None, shm: tuple[int, i
                 "shm": {"offset": shm[0], "nbytes": nbytes}}, None
     fields, raw = kv_payload(kv)
     return {"matched_tokens": matched_tokens, **fields}, raw
-
-
-async def respond_answer(request: web.Request, fields: dict[str, Any], raw: Any) -> web.StreamResponse:
-    """`fields`, and `kv` with raw's bytes when there are some: written straight to the socket
-    after a hand-built msgpack prefix, the tensor's memory never re-packed (framing.pack_map_prefix)."""
-    if raw is None:
-        return respond(request, fields)
-    if wants_json(request):
-        return web.json_response({**fields, "kv": base64.b64encode(raw).decode()})
-    prefix = pack_map_prefix(fields, "kv", raw.nbytes)
-    response = web.StreamResponse(headers={"Content-Type": MSGPACK})
-    response.content_length = len(prefix) + raw.nbytes
-    await response.prepare(request)
-    await response.write(prefix)
-    await response.write(memoryview(raw))
-    await response.write_eof()
-    return response

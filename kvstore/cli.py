@@ -34,7 +34,6 @@ HELP = {
     "insecure": "allow a non-loopback bind without --auth-file",
     "shared_memory": "let clients on this host move KV through shared memory instead of the socket",
     "inline_copy_bytes": "fetches/stores up to this size that need no I/O run on the event loop (0: never)",
-    "fast_path": "answer lookups, fetches and stores that need no I/O before aiohttp's request machinery",
     "event_loop": "auto (uvloop when installed, else asyncio's), uvloop or asyncio",
 }
 

@@ -12,6 +12,9 @@ function, except where a rule names its exception.
 - Only the CLI (kvstore/cli.py) imports the server, the client and the decode loop together.
 - The index, keys and policies import no torch, lmdb or aiohttp; no installed package imports
   bench/ or tests/ (neither is installed).
+- The data plane (api/fast_path.py, the HTTP/1.1 server that reads every connection, and
+  api/handlers.py, the data routes' handlers) loads no aiohttp, directly or through what it
+  imports: a data request never meets aiohttp's request machinery, which serves the admin routes.
 - `KVStore`'s public methods are the embedder's (docs/design.md §7.1): the sidecar's event-loop
   plumbing lives in the api's adapter (api/loop_store.py), the one file of api/ and decode/ that
   reaches into the store's internals.
@@ -181,6 +184,51 @@ def test_only_the_loop_store_adapter_reaches_into_the_store() -> None:
                     isinstance(node.value, ast.Name) and node.value.id == "self"):
                 found.append(f"{rel}:{node.lineno} reaches .{node.attr}")
     assert not found, f"only {LOOP_STORE} uses the store's internals:\n" + "\n".join(found)
+
+
+# The data plane: the HTTP/1.1 server that reads every connection and the data routes' handlers
+# (docs/design.md §7.2). Nothing it loads may import aiohttp, so no data request can reach
+# aiohttp's request machinery: aiohttp serves the admin routes only.
+DATA_PLANE = ("api/fast_path.py", "api/handlers.py")
+
+
+def module_path(module: str) -> Path | None:
+    """The repository file of an installed module (a package's __init__.py), None if not ours."""
+    for package, folder in sorted(PACKAGE_DIRS.items(), key=lambda item: -len(item[0])):
+        if module == package or module.startswith(package + "."):
+            rest = module[len(package):].lstrip(".").split(".") if module != package else []
+            base = REPO / folder / Path(*rest) if rest else REPO / folder
+            for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+                if candidate.is_file():
+                    return candidate
+            return None
+    return None
+
+
+def loaded_by(roots: list[Path]) -> dict[Path, list[Import]]:
+    """Every file of ours that importing `roots` loads (their module-level imports, followed),
+    with its module-level imports."""
+    seen: dict[Path, list[Import]] = {}
+    todo = list(roots)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = [imp for imp in imports_of(path) if not imp.in_function]
+        for imp in seen[path]:
+            target = module_path(imp.module)
+            if target is not None and target not in seen:
+                todo.append(target)
+    return seen
+
+
+def test_the_data_plane_loads_no_aiohttp() -> None:
+    loaded = loaded_by([REPO / p for p in DATA_PLANE])
+    assert REPO / "api" / "wire.py" in loaded and REPO / "kvstore" / "fetch_plan.py" in loaded  # it follows imports
+    found = [f"{imp.path}:{imp.line} imports {imp.module}" for imports in loaded.values() for imp in imports
+             if imp.module.split(".")[0] == "aiohttp"]
+    assert not found, ("the data plane (" + ", ".join(DATA_PLANE) + ") must not load aiohttp, directly or "
+                       "through what it imports:\n" + "\n".join(sorted(set(found))))
 
 
 @pytest.mark.parametrize("source, path, forbidden, expected", [

@@ -1,5 +1,6 @@
-"""Helpers of the sidecar tests: msgpack calls through the aiohttp test client, KV bytes, and
-a live server on a real socket (for the sync client, which must not block the test's loop)."""
+"""Helpers of the sidecar tests: msgpack calls through aiohttp's test client to the sidecar served
+as `kvstore serve` serves it (`SidecarTestServer`), KV bytes, and a live server on a real socket
+in a thread of its own (for the sync client, which must not block the test's loop)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,8 @@ from typing import Any
 
 import msgpack
 import torch
-from aiohttp.test_utils import TestClient
+from aiohttp.test_utils import BaseTestServer, TestClient
+from yarl import URL
 from kv_tensors import random_kv as random_kv  # the sidecar tests take it from here
 
 from kvstore.api.config import ServerConfig
@@ -43,10 +45,46 @@ async def call(http: TestClient, method: str, path: str, body: Any = None, *,
     return resp.status, payload.decode()
 
 
+class SidecarTestServer(BaseTestServer):
+    """aiohttp's test server, serving the sidecar through api/server.py `serve_app` (the data plane
+    reads every connection; aiohttp serves the admin routes) on the test's own loop."""
+
+    def __init__(self, store: KVStore, config: ServerConfig, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._store, self._config = store, config
+        self._served: Any = None
+        self.app: Any = None
+
+    async def start_server(self, loop: Any = None, **kwargs: Any) -> None:
+        if self._served is not None:
+            return
+        sock = listen_socket(dataclasses.replace(self._config, host="127.0.0.1", port=0))
+        self._served = await serve_app(self._store, self._config, sock)
+        self.runner, self.app = self._served.runner, self._served.app
+        self.host, self.port = sock.getsockname()[:2]
+        self.scheme = "http"
+        self._root = URL(self._served.url)
+
+    async def _make_runner(self, **kwargs: Any) -> Any:
+        raise AssertionError("unused: start_server serves the app")
+
+    async def close(self) -> None:
+        if self._served is not None and not self.closed:
+            await self._served.close()
+            self._served.sock.close()
+            self._root = None
+            self._closed = True
+
+
+def sidecar_client(store: KVStore, config: ServerConfig) -> TestClient:
+    """`async with sidecar_client(store, config) as http:` aiohttp's test client of a sidecar."""
+    return TestClient(SidecarTestServer(store, config))
+
+
 class LiveServer:
     """The app on a real socket, served by an event loop in a background thread, as `kvstore serve`
-    serves it (api/server.py `serve_app`: connection limit, and the fast path unless the config
-    turns it off), on the event loop the config names (uvloop when installed, by default)."""
+    serves it (api/server.py `serve_app`: the connection limit, the data plane), on the event
+    loop the config names (uvloop when installed, by default)."""
 
     def __init__(self, store: KVStore, config: ServerConfig, *, keepalive_timeout_s: float = 75.0):
         self._loop = loop_factory(config.event_loop)()

@@ -1,14 +1,13 @@
-"""Fixtures of the sidecar tests: the real store, the app behind aiohttp's test client, a live
+"""Fixtures of the sidecar tests: the real store, the sidecar behind aiohttp's test client, a live
 server in a background thread."""
 from __future__ import annotations
 
 from typing import Any, Iterator
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from api_helpers import MAX_BODY_BYTES, LiveServer, call
+from aiohttp.test_utils import TestClient
+from api_helpers import MAX_BODY_BYTES, LiveServer, call, sidecar_client
 
-from kvstore.api.app import create_app
 from kvstore.api.config import ServerConfig
 from kvstore import KVStore, ModelSpec, StoreConfig
 
@@ -26,8 +25,7 @@ def store(tmp_path) -> Iterator[KVStore]:
 
 @pytest.fixture
 async def http(store: KVStore) -> Any:
-    app = create_app(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
-    async with TestClient(TestServer(app)) as client:
+    async with sidecar_client(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES)) as client:
         yield client
 
 

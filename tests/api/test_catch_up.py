@@ -1,12 +1,11 @@
 """The sidecar answers first and lets the eviction policy learn after (api/catch_up.py): every
-request it answers, on the fast path or through aiohttp, is learnt from once its answer is out,
+request it answers, a data request (the data plane) or an admin one (aiohttp), is learnt from once its answer is out,
 and a busy store lock delays that learning instead of stalling the event loop."""
 from __future__ import annotations
 
 import asyncio
 import time
 
-import pytest
 from api_helpers import MAX_BODY_BYTES, LiveServer, random_kv
 
 from kvstore.api.catch_up import CatchUp
@@ -21,12 +20,10 @@ def _wait_caught_up(policy, timeout_s: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_every_answered_request_is_learnt_from_after_its_answer(store: KVStore, spec: ModelSpec,
-                                                                  fast_path: bool) -> None:
+def test_every_answered_request_is_learnt_from_after_its_answer(store: KVStore, spec: ModelSpec) -> None:
     policy = store._placement.policies["cpu"]  # duel, the default
     assert policy.pending is None  # an in-process store learns inline
-    server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, fast_path=fast_path))
+    server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
     try:
         assert policy.pending == []  # the app holds the learning for after its answers
         with KVStoreClient(server.url, shared_memory_bytes=0) as client:

@@ -10,12 +10,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
-from aiohttp.test_utils import TestClient, TestServer
-from api_helpers import MAX_BODY_BYTES, LiveServer, call, random_kv
+from api_helpers import MAX_BODY_BYTES, LiveServer, call, random_kv, sidecar_client
 
-from kvstore.api.app import create_app
 from kvstore.api.client import KVStoreClient
 from kvstore.api.config import ServerConfig
 from kvstore.api.http1 import Connection
@@ -49,8 +46,7 @@ async def test_a_hung_redis_does_not_stall_other_requests(tmp_path):
     try:
         with KVStore(config) as store:
             store.register_model("m", spec)
-            app = create_app(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
-            async with TestClient(TestServer(app)) as http:
+            async with sidecar_client(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES)) as http:
                 began = time.monotonic()
                 body = {"model": "m", "tokens": list(range(12))}
                 lookup = asyncio.ensure_future(call(http, "POST", "/v1/lookup", body))
@@ -132,15 +128,14 @@ def test_a_lock_held_by_a_slow_promotion_never_stalls_the_loop(tmp_path, monkeyp
         assert store.stats()["tiers"]["cpu"]["promotions"] == 2  # the slow promotion did happen
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_a_fetch_that_needs_the_disk_is_matched_once(tmp_path, monkeypatch, fast_path: bool):
+def test_a_fetch_that_needs_the_disk_is_matched_once(tmp_path, monkeypatch):
     kv = random_kv(SPEC, 8, seed=6)
     config = _disk_only_store(tmp_path, kv, list(range(8)))
     with KVStore(config) as store:
         matches = []
         match = store._index.match
         monkeypatch.setattr(store._index, "match", lambda *args: matches.append(args) or match(*args))
-        server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, fast_path=fast_path))
+        server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
         try:
             with KVStoreClient(server.url, shared_memory_bytes=0) as client:
                 found = client.fetch("m", list(range(8)), start=2)

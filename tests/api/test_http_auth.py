@@ -4,10 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from api_helpers import MSGPACK, call, kv_bin, random_kv
+from api_helpers import MSGPACK, call, kv_bin, random_kv, sidecar_client
 
-from kvstore.api.app import create_app
 from kvstore.api.auth import find_tenant, load_auth_file
 from kvstore.api.config import ServerConfig
 from kvstore import ModelSpec
@@ -19,7 +17,7 @@ TOKENS = {"secret-alice-0123456789": "alice", "secret-bob-0123456789": "bob"}
 async def authed(store, tmp_path):
     path = tmp_path / "auth.json"
     path.write_text(json.dumps(TOKENS))
-    async with TestClient(TestServer(create_app(store, ServerConfig(auth_file=str(path))))) as client:
+    async with sidecar_client(store, ServerConfig(auth_file=str(path))) as client:
         yield client
 
 
@@ -72,7 +70,7 @@ async def test_auth_file_max_bytes_caps_a_tenant(store, tmp_path, spec: ModelSpe
     path.write_text(json.dumps({"secret-alice-0123456789": {"tenant": "alice", "max_bytes": "8KiB"},
                                 "secret-bob-0123456789": "bob"}))
     alice, bob = as_("secret-alice-0123456789"), as_("secret-bob-0123456789")
-    async with TestClient(TestServer(create_app(store, ServerConfig(auth_file=str(path))))) as http:
+    async with sidecar_client(store, ServerConfig(auth_file=str(path))) as http:
         for who in (alice, bob):
             assert (await call(http, "PUT", "/v1/models/m", spec.to_dict(), headers=who))[0] == 201
         seqs = [[i * 1000 + t for t in range(8)] for i in range(40)]

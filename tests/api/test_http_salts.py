@@ -7,21 +7,18 @@ import json
 
 import pytest
 import torch
-from aiohttp.test_utils import TestClient, TestServer
-from api_helpers import MAX_BODY_BYTES, MSGPACK, LiveServer, call, kv_bin, random_kv
+from api_helpers import MAX_BODY_BYTES, MSGPACK, LiveServer, call, kv_bin, random_kv, sidecar_client
 
 from kvstore import KVStoreClient
 from kvstore.errors import InvalidRequest
-from kvstore.api.app import create_app
 from kvstore.api.config import ServerConfig
 
 TOKENS = list(range(10, 22))  # three full pages of the fixture's spec
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
 @pytest.mark.parametrize("shared_memory_bytes", [0, 1 << 20])
-def test_a_salted_client_hits_its_own_salt_on_a_sidecar_without_auth(store, spec, fast_path, shared_memory_bytes):
-    server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, fast_path=fast_path))
+def test_a_salted_client_hits_its_own_salt_on_a_sidecar_without_auth(store, spec, shared_memory_bytes):
+    server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
     try:
         with KVStoreClient(server.url, shared_memory_bytes=shared_memory_bytes) as client:
             client.register_model("m", spec)
@@ -61,7 +58,7 @@ async def test_the_same_salt_in_two_tenants_shares_nothing(store, spec, tmp_path
     path.write_text(json.dumps({"secret-alice-0123456789": "alice", "secret-bob-0123456789": "bob"}))
     alice = {**MSGPACK, "Authorization": "Bearer secret-alice-0123456789"}
     bob = {**MSGPACK, "Authorization": "Bearer secret-bob-0123456789"}
-    async with TestClient(TestServer(create_app(store, ServerConfig(auth_file=str(path))))) as http:
+    async with sidecar_client(store, ServerConfig(auth_file=str(path))) as http:
         for who in (alice, bob):
             assert (await call(http, "PUT", "/v1/models/m", spec.to_dict(), headers=who))[0] == 201
         body = {"model": "m", "tokens": TOKENS, "kv": kv_bin(random_kv(spec, 12)), "salt": "s"}

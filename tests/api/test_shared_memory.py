@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from api_helpers import MAX_BODY_BYTES, LiveServer, call
+from api_helpers import MAX_BODY_BYTES, LiveServer, call, sidecar_client
 from kv_tensors import random_kv
 
 from kvstore.api.client import KVStoreClient
@@ -175,12 +175,7 @@ async def test_regions_are_checked_and_bound_to_the_connection(http_model, store
 
 
 async def test_disabled_on_the_server_is_refused(store, spec: ModelSpec, memfd: int):
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from kvstore.api.app import create_app
-
-    app = create_app(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, shared_memory=False))
-    async with TestClient(TestServer(app)) as http:
+    async with sidecar_client(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES, shared_memory=False)) as http:
         status, body = await call(http, "POST", "/v1/shm", _registration(memfd))
         assert status == 403 and "--no-shared-memory" in body["error"]["message"]
 
