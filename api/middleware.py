@@ -46,11 +46,19 @@ async def learn_after(request: web.Request, handler: Handler) -> web.StreamRespo
 async def count_answers(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Writes the answer itself, then tells the connection (api/fast_path.py `Connection`) it is
     out: the connection holds its next request until then, so answers leave in request order."""
-    response = await handler(request)
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:  # under 400 (errors answers the rest): the exception is the answer
+        await _write(request, exc)
+        raise
+    await _write(request, response)
+    return response
+
+
+async def _write(request: web.Request, response: web.StreamResponse) -> None:
     await response.prepare(request)  # aiohttp would write it after we return; it skips a written one
     await response.write_eof()
     request.app[FAST_PATH].answered_by_aiohttp(request.transport)
-    return response
 
 
 def route_label(request: web.Request) -> str:

@@ -93,6 +93,7 @@ def test_clients_get_what_the_store_in_process_gives(tmp_path, spec: ModelSpec, 
             with KVStoreClient(server.url) as shm, KVStoreClient(server.url, shared_memory_bytes=0) as tcp:
                 shm.register_model("m", spec)
                 admin = _aiohttp_requests(server)
+                assert admin >= 1  # the model's registration: aiohttp's
                 stored = [shm.store("m", list(range(12)), kv), tcp.store("m", list(range(100, 112)), kv),
                           tcp.store_chunk("m", list(range(200, 208)), kv[:, :, :8])]
                 looked = [c.lookup("m", list(range(12)) + [7]) for c in (shm, tcp)]
@@ -168,6 +169,8 @@ def test_a_body_over_several_reads_is_read_whole(served: LiveServer):
 def test_json_chunked_and_unusual_requests_are_answered_here(served: LiveServer):
     admin = _aiohttp_requests(served)
     conn = _connect(served)
+    conn.sock.sendall(_request("/healthz", b"", method="GET", Content_Length=None, Content_Type=None))
+    assert _answer(conn) == (200, {"status": "ok"}) and _aiohttp_requests(served) == admin + 1
     body = _pack({"model": "m", "tokens": list(range(8))})
     conn.sock.sendall(_request("/v1/lookup", body, Accept="application/json"))
     assert _answer(conn) == LOOKUP_8  # JSON, decoded as such
@@ -183,7 +186,7 @@ def test_json_chunked_and_unusual_requests_are_answered_here(served: LiveServer)
     conn.sock.sendall(_request("/v1/lookup", body, Expect="something") + _request("/v1/lookup", body))
     assert _answer(conn) == (417, {"text": b"Unknown Expect: something"})
     assert _answer(conn) == LOOKUP_8  # the refused request's body was skipped
-    assert _aiohttp_requests(served) == admin  # none of them reached aiohttp
+    assert _aiohttp_requests(served) == admin + 1  # none of them reached aiohttp
     conn.sock.sendall(_request("/v1/lookup", body, Connection="close"))
     assert _answer(conn) == LOOKUP_8
     assert _closed(conn)  # as asked
