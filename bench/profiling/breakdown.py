@@ -17,8 +17,9 @@ harness's launcher, not in the sidecar's code. Only the event loop's thread is p
 case here is answered on the loop (memory tiers, below `inline_copy_bytes`). On uvloop, the
 loop's own work and its transports' writes are C that cProfile does not see: a write's time (the
 send, which on a 2-core host also wakes the client) lands in the Python function that called it
-(the fast path's `take`), the loop's in "between the processes"; `--serve-arg=--event-loop=asyncio`
-profiles the same app on asyncio's loop, where both are Python and socket calls. Per call, the
+(the data plane's `data_received`, api/fast_path.py), the loop's in "between the processes";
+`--serve-arg=--event-loop=asyncio` profiles the same app on asyncio's loop, where both are
+Python and socket calls. Per call, the
 client's own time (without waiting for the answer), the sidecar's busy time (without its idle
 poll) and the rest (wake-ups, the loopback transfer, scheduling: "between the processes") add up
 to the profiled call time; all three are scaled to the unprofiled p50 in the same proportion.

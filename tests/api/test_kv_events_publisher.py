@@ -56,6 +56,20 @@ def connected(sub: zmq.Socket, endpoint: str, timeout_s: float = 20.0) -> zmq.So
     return sub
 
 
+def joined(publisher: KVEventsPublisher, sub: zmq.Socket, timeout_s: float = 20.0) -> None:
+    """Wait until `sub`'s subscription has reached the publisher's PUB socket, before the
+    publisher starts: probes go out on it (its thread not yet running) until one arrives, so the
+    first batch can never be dropped by ZeroMQ's slow joiner, however loaded the host."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "the subscription never reached the publisher"
+        publisher._pub.send_multipart((b"probe", b"", b""))
+        if sub.poll(100):
+            break
+    while sub.poll(200):  # the probes still on their way
+        assert sub.recv_multipart()[0] == b"probe"
+
+
 def receive(sub: zmq.Socket, until, timeout_s: float = 20.0) -> list[tuple[bytes, int, bytes]]:
     got: list[tuple[bytes, int, bytes]] = []
     deadline = time.monotonic() + timeout_s
@@ -87,6 +101,7 @@ def test_frames_replay_and_a_late_subscriber(store):
     publisher = KVEventsPublisher(config)
     try:
         early = subscriber(publisher.endpoint)
+        joined(publisher, early)
         publisher.start(store)
         store_some(store, 4)
         live = receive(early, lambda got: sum(len(decode_batch(p).events) for _, _, p in got) >= 1 + 8)
@@ -135,6 +150,7 @@ def test_a_publisher_that_falls_behind_drops_counts_gaps_and_resyncs(store):
     metrics.watch_kv_events(publisher)
     try:
         sub = subscriber(publisher.endpoint)
+        joined(publisher, sub)
         publisher.start(store)
         first = receive(sub, lambda got: len(got) >= 1)  # the picture on attach
         store_some(store, 6)  # far more records than the queue takes before the thread wakes
