@@ -18,7 +18,7 @@ import torch
 
 from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
 from kvstore.codecs import TORCH_DTYPES
-from kvstore.gpu.dtypes import KV_DTYPE_NAMES, NUMPY_NATIVE
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES, NUMPY_KV_DTYPES
 from kvstore.config import DTYPE_BYTES, ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
 from kvstore.keys import MAX_TOKEN_ID
@@ -29,8 +29,6 @@ from kvstore.validation import SMALL_TOKEN_LIST, check_salt, token_bytes
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
-# The KV dtypes numpy has (bfloat16 it has not): fetch answers of these are typed by numpy.
-NUMPY_DTYPES = {name: np.dtype(name) for name, dtype in TORCH_DTYPES.items() if dtype in NUMPY_NATIVE}
 
 Parts = list[Any]  # bytes-like parts, sent back to back
 
@@ -167,7 +165,7 @@ def kv_array(array: np.ndarray, obj: dict[str, Any]) -> np.ndarray:
     """The uint8 `array` of a fetch answer's kv typed and shaped (L, 2, T, H, D) by numpy, where
     numpy has the dtype (not bfloat16: then `array` as it is). One numpy view and no torch call:
     torch's views cost several times numpy's."""
-    np_dtype = NUMPY_DTYPES.get(obj["dtype"])
+    np_dtype = NUMPY_KV_DTYPES.get(obj["dtype"])
     return array if np_dtype is None else array.view(np_dtype).reshape(obj["shape"])
 
 

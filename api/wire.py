@@ -29,6 +29,7 @@ from kvstore.api.framing import FramingError, unpack_map
 from kvstore.api.nesting import json_too_deep
 from kvstore.api.shared_memory import Registration
 from kvstore.codecs import TORCH_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES, NUMPY_KV_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens
 from kvstore.keys import MAX_TOKEN_ID
@@ -42,9 +43,7 @@ DEFAULT_TYPES = frozenset({"", "application/octet-stream"})
 # model spec's rope_scaling ({"long_factor": [...]}) reach 3. Deeper bodies are refused before
 # they are decoded (api/nesting.py): decoders recurse once per level.
 MAX_BODY_DEPTH = 3
-DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> its name in answers
 _TOKEN_DTYPE = np.dtype("<i4")  # made once: numpy parses a dtype string on every call
-_NUMPY_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}  # numpy has no bfloat16
 _SHM_FIELDS = ("offset", "nbytes")
 
 
@@ -250,7 +249,7 @@ def kv_tensor(kv: memoryview, spec: ModelSpec, num_tokens: int, dtype: str | Non
                         f"{expected} bytes, got {kv.nbytes}", field="kv")
     if not expected:
         return torch.empty(spec.kv_shape(0), dtype=TORCH_DTYPES[spec.dtype])
-    np_dtype = _NUMPY_DTYPES.get(spec.dtype)
+    np_dtype = NUMPY_KV_DTYPES.get(spec.dtype)
     if np_dtype is not None:  # viewed by numpy: torch.frombuffer and its view cost twice as much
         return torch.from_numpy(np.frombuffer(kv, dtype=np_dtype).reshape(spec.kv_shape(num_tokens)))
     return torch.frombuffer(kv, dtype=TORCH_DTYPES[spec.dtype]).view(spec.kv_shape(num_tokens))  # (L, 2, T, H, D)
@@ -294,7 +293,7 @@ def kv_payload(kv: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
         raw = kv.numpy().reshape(-1).view(np.uint8)  # flat bytes of (L, 2, T, H, D)
     else:  # numpy has no bfloat16; a strided kv is copied
         raw = kv.contiguous().view(-1).view(torch.uint8).numpy()
-    return {"dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape)}, raw
+    return {"dtype": KV_DTYPE_NAMES[kv.dtype], "shape": list(kv.shape)}, raw
 
 
 def fetch_answer(matched_tokens: int, kv: torch.Tensor | None, shm: tuple[int, int] | None,
@@ -305,7 +304,7 @@ def fetch_answer(matched_tokens: int, kv: torch.Tensor | None, shm: tuple[int, i
     if into is not None and kv is not None and (nbytes := kv.nbytes) and kv.data_ptr() == into.data_ptr() \
             and kv.is_contiguous():
         assert shm is not None
-        return {"matched_tokens": matched_tokens, "dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape),
+        return {"matched_tokens": matched_tokens, "dtype": KV_DTYPE_NAMES[kv.dtype], "shape": list(kv.shape),
                 "shm": {"offset": shm[0], "nbytes": nbytes}}, None
     fields, raw = kv_payload(kv)
     return {"matched_tokens": matched_tokens, **fields}, raw

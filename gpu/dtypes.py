@@ -34,6 +34,11 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=held).numpy().dtype
 
 
+# The KV dtypes numpy has (not bfloat16), by name: tensors of these are viewed and typed by
+# numpy, several times cheaper than torch's views, on the wire's hot paths.
+NUMPY_KV_DTYPES: dict[str, np.dtype] = {name: torch.empty(0, dtype=dtype).numpy().dtype
+                                        for name, dtype in KV_DTYPES.items() if dtype in NUMPY_NATIVE}
+
 # The numpy dtype of each KV dtype's page bytes: bfloat16 as its bits (int16), so copies stay
 # bit-exact.
 NUMPY_DTYPES: dict[str, np.dtype] = {name: _numpy_dtype(dtype) for name, dtype in KV_DTYPES.items()}
