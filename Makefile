@@ -63,6 +63,7 @@ bench: install
 	$(PY) bench/ttft.py --json bench/out/ttft.json
 	$(PY) bench/blend_quality.py --json bench/out/blend_quality.json
 	$(PY) bench/vllm_ttft.py --json bench/out/vllm_ttft.json
+	$(PY) bench/vllm_concurrency.py --json bench/out/vllm_concurrency.json
 	$(PY) bench/disagg.py --json bench/out/disagg.json
 	$(PY) bench/kv_events.py --json bench/out/kv_events.json
 
