@@ -123,9 +123,15 @@ def test_layer_names_map_to_store_layers():
         layer_index("lm_head")
 
 
+# Scattered blocks, one run of consecutive blocks (what vLLM gives a fresh request), and runs
+# of several lengths out of order.
+BLOCK_SETS = [BLOCKS, torch.tensor([3, 4, 5, 6]), torch.tensor([1, 2, 10, 11, 5, 6, 7, 0])]
+
+
+@pytest.mark.parametrize("blocks", BLOCK_SETS, ids=["scattered", "one-run", "runs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
-def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype):
+def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype, blocks):
     ops = pytest.importorskip("vllm._custom_ops", reason="vLLM (CPU build) is not installed")
     head_dim = 32  # the CPU kernels' smallest head size
 
@@ -138,12 +144,12 @@ def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype):
     strided = StridedBlockLayout.from_order(isa, B, H, head_dim, order)
     layouts = [BlockPermutationLayout(isa, B, H, head_dim, order)] + ([strided] if strided else [])
     g = torch.Generator().manual_seed(1)
-    kv = torch.randn((2, len(BLOCKS) * B, H, head_dim), generator=g).to(dtype)
+    kv = torch.randn((2, len(blocks) * B, H, head_dim), generator=g).to(dtype)
     written = torch.zeros((N, H, B, 2 * head_dim), dtype=dtype)
-    slots = (BLOCKS[:, None] * B + torch.arange(B)).reshape(-1)
+    slots = (blocks[:, None] * B + torch.arange(B)).reshape(-1)
     write(written, kv[0].contiguous(), kv[1].contiguous(), slots)
     for layout in layouts:
-        assert torch.equal(layout.gather(written, BLOCKS), kv)
+        assert torch.equal(layout.gather(written, blocks), kv)
         scattered = torch.zeros_like(written)
-        layout.scatter(scattered, BLOCKS, kv)
-        assert torch.equal(scattered, written)
+        layout.scatter(scattered, blocks, kv)
+        assert torch.equal(scattered, written)  # the named blocks, and no other, written
