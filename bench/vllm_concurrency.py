@@ -34,8 +34,8 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.vllm_ttft import REAL_MODEL, Prompts, kv_bytes_per_token, make_engine, model_facts, run_engine, \
-    start_sidecar, write_random_model  # noqa: E402
+from bench.vllm_ttft import REAL_MODEL, Prompts, kv_bytes_per_token, make_engine, model_facts, \
+    parse_or_serve_engine, run_engine, start_sidecar, write_random_model  # noqa: E402
 
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
@@ -91,11 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="batches per figure (best of)")
     parser.add_argument("--random-model", action="store_true", help="a random-weight Llama (no download)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--engine-job", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.engine_job:
-        print("ENGINE " + json.dumps(engine_main(json.loads(args.engine_job))), flush=True)
+    args = parse_or_serve_engine(parser, argv, engine_main)
+    if args is None:
         return 0
     for name in ("prefix_tokens", "suffix_tokens", "requests", "output_tokens", "repeats"):
         if getattr(args, name) < 1:

@@ -219,6 +219,19 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def parse_or_serve_engine(parser: argparse.ArgumentParser, argv: list[str] | None,
+                          engine_main: Any) -> argparse.Namespace | None:
+    """The run's arguments (with `--json`), or None after serving `--engine-job`: the process
+    `run_engine` starts, which prints its engine's results on an `ENGINE ` line."""
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--engine-job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.engine_job:
+        print("ENGINE " + json.dumps(engine_main(json.loads(args.engine_job))), flush=True)
+        return None
+    return args
+
+
 def run_engine(job: dict[str, Any], script: str = __file__) -> dict[str, Any]:
     """`script --engine-job JOB` in a fresh process (one engine, scheduler and worker in it): the
     object its `ENGINE ` line prints."""
@@ -267,11 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a random-weight Llama and random token ids instead of SmolLM2 and documentation text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="model and KV dtype (float32: CPUs without AVX512-BF16 emulate bf16 matmuls, ~10x slower)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--engine-job", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.engine_job:
-        print("ENGINE " + json.dumps(engine_main(json.loads(args.engine_job))), flush=True)
+    args = parse_or_serve_engine(parser, argv, engine_main)
+    if args is None:
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp:
