@@ -171,12 +171,8 @@ class StoreLink:
         Anything but KV of the spec's shape and dtype is a failure: it would be wrong tokens.
         `into` (a flat uint8 CPU tensor): where an in-process store writes the answer when it
         fits (kv then views it); a sidecar's answer lands in the client's shared memory instead."""
-        if self._store is not None:
-            store = self._store
-            result = self._call("fetch", salt, lambda b: store.fetch(self.model, tokens, start=start, salt=salt,
-                                                                     into=into))
-        else:
-            result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt))
+        into_kw = {} if self._store is None else {"into": into}  # the client takes no `into`
+        result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt, **into_kw))
         if result is None or result.matched_tokens <= start or result.kv is None:
             return 0, None
         matched = min(int(result.matched_tokens), len(tokens))
