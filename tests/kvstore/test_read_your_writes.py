@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from kvstore import ModelSpec
+from kvstore import ModelSpec, page_writes
 from kvstore.api.loop_store import LoopStore
 from kvstore.errors import StoreBusy
 
@@ -73,36 +74,50 @@ def test_a_lookup_after_a_concurrent_store_returns_sees_what_it_acknowledged(mak
     assert short == [], f"{len(short)} of {150 * THREADS} lookups matched less than their store acknowledged"
 
 
-def test_a_store_that_must_not_wait_refuses_pages_in_flight_and_does_nothing(make_store):
+def test_a_store_that_must_not_wait_refuses_pages_in_flight_and_does_nothing(make_store, monkeypatch):
     # Inside LoopStore.unless_busy (the sidecar's event loop) a store that meets pages another thread is
-    # writing raises StoreBusy instead of waiting; run again outside, it acknowledges them all.
-    spec = ModelSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)  # 512 KiB pages
-    store = make_store(cpu_bytes=512 << 20, disk_bytes=0)
-    store.register_model("m", spec)
-    refused = 0
-    for attempt in range(20):
-        tokens = list(range(attempt * 10_000, attempt * 10_000 + 64 * 16))  # 64 pages: 32 MiB to copy
-        kv = torch.zeros(spec.kv_shape(len(tokens)), dtype=torch.float16)
-        writer = threading.Thread(target=store.store, args=("m", tokens, kv))
-        pages_before = store.stats()["pages"]
-        writer.start()
-        while store.stats()["pages"] == pages_before and writer.is_alive():
-            pass  # until the writer has planned its pages (in the tree, not yet readable)
+    # writing raises StoreBusy instead of waiting; run again outside, it acknowledges them all. The
+    # writer is held inside its copy (its pages planned, not yet readable) until the refusal is seen,
+    # so the race is the same on every run, however the machine schedules the two threads.
+    store = make_store(cpu_bytes=64 << 20, disk_bytes=0)
+    store.register_model("m", SPEC)
+    tokens = list(range(5000, 5000 + 8 * 16))  # 8 pages
+    kv = _kv(tokens)
+    copying, release = threading.Event(), threading.Event()
+    writer_id: list[int] = []
+    real_copy = page_writes.copy_bytes
+
+    def held_copy(dst, src):
+        if threading.get_ident() in writer_id:
+            copying.set()
+            assert release.wait(30), "the test never released the writer"
+        real_copy(dst, src)
+
+    monkeypatch.setattr(page_writes, "copy_bytes", held_copy)
+    acknowledged: list[int] = []
+
+    def write() -> None:
+        writer_id.append(threading.get_ident())
+        acknowledged.append(store.store("m", tokens, kv).stored_tokens)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert copying.wait(30), "the writer never reached its copy"
         with LoopStore(store).unless_busy() as free:
-            assert free
-            in_flight = store.lookup("m", tokens).matched_tokens == 0
+            assert free  # the writer copies outside the lock
+            assert store.lookup("m", tokens).matched_tokens == 0  # planned pages are not readable
             stores = store.stats()["stores"]
-            try:
-                result = store.store("m", tokens, kv)
-            except StoreBusy:
-                refused += 1
-                assert in_flight
-                assert store.stats()["stores"] == stores  # the refused store did nothing
-            else:
-                assert not in_flight and result.stored_tokens == len(tokens)
-        assert store.store("m", tokens, kv).stored_tokens == len(tokens)
-        writer.join()
-        assert store.fetch("m", tokens).matched_tokens == len(tokens)
-        if refused >= 3:
-            break
-    assert refused >= 3
+            with pytest.raises(StoreBusy):
+                store.store("m", tokens, kv)
+            assert store.stats()["stores"] == stores  # the refused store did nothing
+            assert store.lookup("m", tokens).matched_tokens == 0
+    finally:
+        release.set()
+        writer.join(30)
+    assert not writer.is_alive() and acknowledged == [len(tokens)]
+    with LoopStore(store).unless_busy() as free:
+        assert free
+        assert store.store("m", tokens, kv).stored_tokens == len(tokens)  # nothing in flight: no refusal
+    got = store.fetch("m", tokens)
+    assert got.matched_tokens == len(tokens) and torch.equal(got.kv, kv)
