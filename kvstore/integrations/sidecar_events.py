@@ -7,10 +7,16 @@ engine's blocks the sidecar holds. With `kv_events_replay_endpoint` it first ask
 ROUTER for every batch it still keeps (the picture the sidecar sent at its start, if still
 buffered) and fills a gap in the sequence numbers the same way; what the replay buffer no longer
 holds is reported once it changes again.
+
+A SUB socket receives only what the publisher sends after the subscription has reached it (a
+ZeroMQ PUB drops the rest), so a batch sent while the source is joining arrives neither live
+nor, when nothing follows it, as a gap. Until the first batch arrives live the source therefore
+asks the replay endpoint again, at most every JOIN_REPLAY_EVERY_S, from where it stands.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
@@ -19,6 +25,7 @@ from kvstore.kv_events import KVEvent, decode_batch
 log = logging.getLogger("kvstore.vllm")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_TIMEOUT_MS = 200  # a replay that does not answer costs a step at most this long
+JOIN_REPLAY_EVERY_S = 0.5  # until the subscription is live: how often a take replays what it may have missed
 
 
 class SidecarEventSource:
@@ -29,14 +36,15 @@ class SidecarEventSource:
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.next_seq: int | None = None  # the batch expected next; None before the first
-        self._catch_up = replay_endpoint is not None
+        self._live = False  # a batch arrived on the SUB: the subscription has reached the publisher
+        self._next_join_replay = 0.0  # monotonic time of the next replay while not live
 
     def take(self) -> list[KVEvent]:
         """Every event received since the last take, in order (replayed ones first)."""
         events: list[KVEvent] = []
-        if self._catch_up:
-            self._catch_up = False
-            events += self._replay(0, None)
+        if self.replay_endpoint is not None and not self._live and time.monotonic() >= self._next_join_replay:
+            events += self._replay(0 if self.next_seq is None else self.next_seq, None)
+            self._next_join_replay = time.monotonic() + JOIN_REPLAY_EVERY_S
         while True:
             try:
                 _, seq_bytes, payload = self.sub.recv_multipart(zmq.NOBLOCK)
@@ -45,6 +53,7 @@ class SidecarEventSource:
             except ValueError:  # not three frames: not a KV-event stream
                 continue
             seq = int.from_bytes(seq_bytes, "big")
+            self._live = True
             if self.next_seq is not None and seq < self.next_seq:
                 continue  # had it from a replay
             if self.next_seq is not None and seq > self.next_seq and self.replay_endpoint is not None:

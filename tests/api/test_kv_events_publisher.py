@@ -190,3 +190,51 @@ def test_serve_flags_build_the_publisher_and_bad_ones_are_named(tmp_path):
         ServerConfig(kv_events_endpoint="127.0.0.1:5557")
     with pytest.raises(ValueError, match="kv_events_max_queue_records"):
         ServerConfig(kv_events_endpoint="tcp://127.0.0.1:5557", kv_events_max_queue_records=0)
+
+
+def test_a_batch_sent_while_the_source_joins_is_replayed_without_waiting_for_the_next(monkeypatch):
+    # The publisher sends seq 2 live before the source's subscription reaches it (ZeroMQ drops
+    # it) and then nothing more: the source, not yet live, finds it in the replay buffer anyway.
+    import threading
+
+    import kvstore.integrations.sidecar_events as sidecar_events
+    from kvstore.kv_events import KVEventBatch, encode_batch
+
+    monkeypatch.setattr(sidecar_events, "JOIN_REPLAY_EVERY_S", 0.0)
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind("tcp://127.0.0.1:*")
+    router.bind("tcp://127.0.0.1:*")
+    batches = [encode_batch(KVEventBatch(ts=float(i), events=[AllBlocksCleared()])) for i in range(3)]
+    buffered = [2]  # how many batches the replay buffer holds
+    stop = threading.Event()
+
+    def answer_replays() -> None:  # the sidecar's ROUTER, on a thread as in the sidecar
+        while not stop.is_set():
+            if router.poll(20):
+                who, empty, start = router.recv_multipart()
+                for seq in range(int.from_bytes(start, "big"), buffered[0]):
+                    router.send_multipart((who, b"", b"t", seq.to_bytes(8, "big"), batches[seq]))
+                router.send_multipart((who, b"", b"", sidecar_events.END_SEQ, b""))
+
+    replays = threading.Thread(target=answer_replays)
+    replays.start()
+    source = SidecarEventSource(pub.getsockopt_string(zmq.LAST_ENDPOINT), router.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        got: list = []
+        deadline = time.monotonic() + 20
+        while source.next_seq != 2:
+            assert time.monotonic() < deadline, "the first replay never came"
+            got += source.take()
+        assert len(got) == 2
+        buffered[0] = 3  # seq 2 went out live before the subscription joined: only the buffer has it
+        while source.next_seq != 3:
+            assert time.monotonic() < deadline, "the batch sent while joining was never replayed"
+            got += source.take()
+        assert len(got) == 3 and all(isinstance(event, AllBlocksCleared) for event in got)
+    finally:
+        stop.set()
+        replays.join(5)
+        source.close()
+        pub.close(linger=0)
+        router.close(linger=0)
