@@ -163,6 +163,15 @@ class FetchPlan:
             with self.state.lock:
                 self._unpin()
 
+    def finish_in_place(self, tokens: int) -> None:
+        """The caller read tokens [start, tokens) where the pages lie (kvstore/pinned_fetch.py):
+        count them as fetched and unpin. Nothing once the plan was run or released."""
+        if self._claim():
+            with self.state.lock:
+                self._unpin()
+                if self.count:
+                    self.state.counters["fetched_tokens"] += max(0, tokens - self.start)
+
     def _claim(self) -> bool:
         try:
             return self._unclaimed.pop()

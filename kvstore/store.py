@@ -8,6 +8,9 @@ registry, one lock); each operation lives in the module named after it:
     fetch  -> validate -> shared_probe (with a shared tier) -> fetch_plan.plan_fetch: match and pin
               under the lock -> FetchPlan.run: decode pages into one answer outside it, promote
               lower-tier hits, unpin
+    fetch_pinned -> the same plan; pinned_fetch.PinnedFetch hands out the pages where they lie
+              in the CPU tier's buffer (an engine copies them into its own layout, once), or
+              runs the plan when a page is elsewhere
     blend  -> blend.blend_chunks: each chunk fetched whole, K re-rotated to its new position
     stats  -> store_stats
 
@@ -31,6 +34,7 @@ from kvstore.index import TOKEN_BYTES
 from kvstore.keys import chunk_key, salt_root
 from kvstore.kv_event_recorder import KVEventRecorder, KVEventSink
 from kvstore.page_writes import store_pages
+from kvstore.pinned_fetch import PinnedFetch
 from kvstore.rebuild import rebuild_index
 from kvstore.registry import Model
 from kvstore.rerotate import check_rerotatable
@@ -191,6 +195,14 @@ class KVStore:
         bytes) when it is large enough; a fresh tensor otherwise. The sidecar passes a region of
         a client's shared memory here, an engine its own staging buffer."""
         return self._plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, device=device, into=into).run()
+
+    def fetch_pinned(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
+                     salt: str | None = None, into: torch.Tensor | None = None) -> PinnedFetch:
+        """The same fetch, its pages left where they lie and pinned: `runs` views them in the CPU
+        tier's buffer when all of them are there (else None, and `fetch()` copies them into an
+        answer, written into `into` as with `fetch`). For an engine that copies KV into its own
+        layout anyway; `release()` it (or use it as a context manager) once the copy is done."""
+        return PinnedFetch(self._plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, into=into))
 
     def _fetch(self, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device,
                count: bool = True, into: torch.Tensor | None = None) -> FetchResult:

@@ -7,6 +7,10 @@ whole blocks:
 
     gather(layer, block_ids)      -> (2, len(block_ids) * B, H, D), the blocks' tokens in order
     scatter(layer, block_ids, kv)    the inverse: writes those blocks and nothing else
+    scatter_runs(layer, block_ids, runs)
+                                     the same from runs of pages, `(first token, (k, 2, P, H, D))`,
+                                     that lie apart (an in-process store's pages where they are:
+                                     kvstore/pinned_fetch.py), without joining them first
 
 Two arrangements cover vLLM's backends:
 
@@ -28,6 +32,7 @@ shape, and the CPU backend's writer is passed in.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 import numpy as np
@@ -52,6 +57,17 @@ class PagedLayout:
 
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def scatter_runs(self, layer: torch.Tensor, block_ids: torch.Tensor, runs: list[tuple[int, torch.Tensor]]) -> None:
+        """Write the blocks from `runs`, which cover their tokens [0, len(block_ids) * B) in order.
+        Here by joining the runs into one (2, T, H, D) and scattering that; a layout that can
+        read the runs as they lie overrides it."""
+        end = block_ids.numel() * self.block_size
+        parts = [pages.transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_dim) for _, pages in runs]
+        kv = torch.cat(parts, dim=1)[:, :end] if parts else None
+        if kv is None or kv.shape[1] < end or [first for first, _ in runs] != _starts(runs):
+            raise ValueError(f"runs: expected pages covering tokens [0, {end}) in order")
+        self.scatter(layer, block_ids, kv.to(layer.device))
 
     def _check_kv(self, kv: torch.Tensor, num_blocks: int) -> None:
         expected = (2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
@@ -133,6 +149,7 @@ class StridedBlockLayout(PagedLayout):
                  halves: tuple[tuple[int, tuple[int, int, int]], ...]):
         self.name, self.block_size, self.num_kv_heads, self.head_dim = name, block_size, num_kv_heads, head_dim
         self.halves = halves  # per K, V: (offset in the block, (token, head, dim) strides)
+        self._buffers = threading.local()
 
     @classmethod
     def from_order(cls, name: str, block_size: int, num_kv_heads: int, head_dim: int,
@@ -188,16 +205,66 @@ class StridedBlockLayout(PagedLayout):
         n = block_ids.numel()
         self._check_kv(kv, n)
         kv = kv.to(layer.dtype).view(2, n, self.block_size, self.num_kv_heads, self.head_dim)
-        if layer.is_cpu:
-            self._views(layer)
-            pool = _host(layer).reshape(layer.shape[0], -1)
-            rows = np.empty((n, pool.shape[1]), dtype=pool.dtype)
-            for half, view in enumerate(self._host_halves(rows)):
-                np.copyto(view, _host(kv[half].contiguous()))
-            pool[block_ids.numpy()] = rows
+        if layer.is_cpu:  # one run of n "pages" of B tokens: (n, 2, B, H, D)
+            self.scatter_runs(layer, block_ids, [(0, kv.transpose(0, 1))])
         else:
             for half, view in enumerate(self._views(layer)):
                 view.index_copy_(0, block_ids, kv[half])
+
+    # On the CPU a layer is written in three copies, each of the kind a CPU does fast: the runs'
+    # pages are joined into one (2, T, H, D) buffer of this layer (contiguous reads of each
+    # page's layer; the buffer, reused, stays in cache), rearranged from there into whole block
+    # rows (K's transpose within a block is most of the time, and it works in cache), and the
+    # rows written into the pool, which the forward has not touched yet, whole. Transposing
+    # straight from pages that lie apart, or into the pool, measured slower. torch's copies run
+    # on the forward's own intra-op threads, idle between layers (numpy's single-threaded ones
+    # measured slower here).
+    def scatter_runs(self, layer: torch.Tensor, block_ids: torch.Tensor, runs: list[tuple[int, torch.Tensor]]) -> None:
+        if not layer.is_cpu:
+            return super().scatter_runs(layer, block_ids, runs)
+        self._views(layer)  # the contiguity check
+        n, B, H, D = block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim
+        end = n * B
+        joined = self._joined_buffer(end, layer.dtype)  # (2, end, H, D)
+        covered = 0  # runs cover tokens [0, covered) so far
+        for first, pages in runs:
+            k, P = pages.shape[0], pages.shape[2]
+            if first != covered or tuple(pages.shape[3:]) != (H, D) or pages.shape[1] != 2:
+                raise ValueError(f"runs: expected (k, 2, P, {H}, {D}) pages covering tokens [0, {end}) in order, "
+                                 f"got a run at token {first} of {tuple(pages.shape)}")
+            covered = first + k * P
+            used = min(k, -(-(end - first) // P)) if first < end else 0  # pages that reach into the blocks
+            whole = min(used, (end - first) // P)  # ... of them, those wholly inside
+            if whole:
+                joined[:, first:first + whole * P].view(2, whole, P, H, D).copy_(pages[:whole].transpose(0, 1))
+            if used > whole:  # a page that runs past the last block: its first tokens only
+                t = first + whole * P
+                joined[:, t:end].copy_(pages[whole, :, :end - t])
+        if covered < end:
+            raise ValueError(f"runs: cover tokens [0, {covered}), expected [0, {end})")
+        block_elements = layer[0].numel()
+        rows = torch.empty((n, block_elements), dtype=layer.dtype)
+        for half, (offset, strides) in enumerate(self.halves):
+            rows.as_strided((n, B, H, D), (block_elements, *strides), offset).copy_(joined[half].view(n, B, H, D))
+        layer.view(layer.shape[0], -1).index_copy_(0, block_ids, rows)
+
+    def _joined_buffer(self, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's (2, tokens, H, D) buffer of one layer (an asynchronous load's thread
+        scatters beside the forward's), grown to the longest load seen."""
+        buffer = getattr(self._buffers, "joined", None)
+        needed = 2 * tokens * self.num_kv_heads * self.head_dim
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < needed:
+            buffer = self._buffers.joined = torch.empty(needed, dtype=dtype)
+        return buffer[:needed].view(2, tokens, self.num_kv_heads, self.head_dim)
+
+
+def _starts(runs: list[tuple[int, torch.Tensor]]) -> list[int]:
+    """Where each run must start for the runs to be contiguous from token 0."""
+    starts, t = [], 0
+    for _, pages in runs:
+        starts.append(t)
+        t += pages.shape[0] * pages.shape[2]
+    return starts
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from kvstore import KVStore, KVStoreClient, KVStoreError, ModelSpec, StoreConfig
 from kvstore.integrations.connector_config import ConnectorConfig
+from kvstore.pinned_fetch import PinnedFetch
 from kvstore.validation import check_salt
 
 log = logging.getLogger("kvstore.vllm")
@@ -173,6 +174,34 @@ class StoreLink:
         fits (kv then views it); a sidecar's answer lands in the client's shared memory instead."""
         into_kw = {} if self._store is None else {"into": into}  # the client takes no `into`
         result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt, **into_kw))
+        return self._checked(result, tokens, start)
+
+    def fetch_in_place(self, tokens: Sequence[int], start: int, salt: str | None,
+                       into: Any = None) -> tuple[int, Any, PinnedFetch | None]:
+        """An in-process store's fetch with its pages left where they lie when they all are in
+        its CPU tier: (matched, None, pinned), the caller reading `pinned.runs` and then
+        releasing it. Otherwise `fetch`'s answer: (matched, kv, None); (0, None, None) on failure."""
+        assert self._store is not None, "fetch_in_place: only an in-process store's pages can be read in place"
+
+        def read(store: KVStore) -> Any:
+            pinned = store.fetch_pinned(self.model, tokens, start=start, salt=salt, into=into)
+            return pinned if pinned.runs is not None else pinned.fetch()
+
+        result = self._call("fetch", salt, read)
+        if isinstance(result, PinnedFetch):
+            page = (self.spec.num_layers, 2, self.spec.page_size, self.spec.num_kv_heads, self.spec.head_dim)
+            wrong = [run.pages for run in result.runs if tuple(run.pages.shape[1:]) != page
+                     or str(run.pages.dtype).removeprefix("torch.") != self.spec.dtype]
+            if wrong or result.in_place_tokens <= start:
+                result.release()
+                if wrong:
+                    self.warning.warn("kvstore fetch answered pages %s %s, expected %s %s; recomputing",
+                                      tuple(wrong[0].shape[1:]), wrong[0].dtype, page, self.spec.dtype)
+                return 0, None, None
+            return min(result.in_place_tokens, len(tokens)), None, result
+        return (*self._checked(result, tokens, start), None)
+
+    def _checked(self, result: Any, tokens: Sequence[int], start: int) -> tuple[int, Any]:
         if result is None or result.matched_tokens <= start or result.kv is None:
             return 0, None
         matched = min(int(result.matched_tokens), len(tokens))

@@ -38,6 +38,7 @@ from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSp
                                                StridedBlockLayout, UnsupportedLayout, probe_block_order)
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm_scheduler import LoadSpec, SaveSpec, StepMeta
+from kvstore.pinned_fetch import PinnedFetch
 
 # Backends whose per-layer cache is the logical (num_blocks, H, B, 2D) view with K then V in the
 # last dim, in either physical order (NHD or HND): checked in their forward() of vLLM 0.32.
@@ -73,9 +74,25 @@ def layout_for(backend: str, *, block_size: int, num_kv_heads: int, head_dim: in
 
 
 class _Load:
-    def __init__(self, spec: LoadSpec, kv: torch.Tensor, block_ids: torch.Tensor):
-        self.spec, self.kv, self.block_ids = spec, kv, block_ids  # kv: (L, 2, T, H, D)
-        self.pending_layers: set[int] = set(range(kv.shape[0]))
+    """One request's fetched KV: an answer `kv` (L, 2, T, H, D), or an in-process store's pages
+    where they lie (`pinned.runs`, pinned until `release`)."""
+
+    def __init__(self, spec: LoadSpec, block_ids: torch.Tensor, num_layers: int, kv: torch.Tensor | None = None,
+                 pinned: PinnedFetch | None = None):
+        self.spec, self.block_ids, self.kv, self.pinned = spec, block_ids, kv, pinned
+        self.pending_layers: set[int] = set(range(num_layers))
+
+    def scatter(self, layout: PagedLayout, layer: torch.Tensor, i: int) -> None:
+        """Write layer `i` of this load into its blocks of `layer`."""
+        if self.pinned is not None:
+            layout.scatter_runs(layer, self.block_ids, [(run.first, run.pages[:, i]) for run in self.pinned.runs])
+        else:
+            assert self.kv is not None
+            layout.scatter(layer, self.block_ids, self.kv[i].to(layer.device))
+
+    def release(self) -> None:
+        if self.pinned is not None:
+            self.pinned.release()
 
 
 class _Save:
@@ -101,8 +118,8 @@ class WorkerSide:
         self._loader: ThreadPoolExecutor | None = None  # one thread, made at the first async load
         self._stats_lock = threading.Lock()  # the loader thread counts too
         # Counters and seconds spent, for tests and bench/vllm_ttft.py's breakdown of a step.
-        self.stats = {"loaded_tokens": 0, "failed_blocks": 0, "saved_tokens": 0, "fetch_s": 0.0, "scatter_s": 0.0,
-                      "gather_s": 0.0, "store_s": 0.0}
+        self.stats = {"loaded_tokens": 0, "in_place_tokens": 0, "failed_blocks": 0, "saved_tokens": 0,
+                      "fetch_s": 0.0, "scatter_s": 0.0, "gather_s": 0.0, "store_s": 0.0}
 
     def register(self, kv_caches: dict[str, torch.Tensor], backends: dict[str, str],
                  cpu_writer: Callable[[], Callable[..., None]] | None, kv_cache_layout: str | None) -> None:
@@ -131,14 +148,14 @@ class WorkerSide:
 
     # -- loads ----------------------------------------------------------------------------------
     def start_load(self, meta: StepMeta) -> None:
-        self._loads = []
+        self._release_loads()  # a step that never reached finish_step leaves none pinned
         for spec in meta.loads:
             if spec.load_async:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
                 self._async_loads[spec.req_id] = self._loader.submit(self._load_whole, spec)
                 continue
-            load = self._fetch(spec, self._failed_blocks, self._staging_for(len(self._loads), spec))
+            load = self._fetch(spec, self._failed_blocks, self._staging_for(len(self._loads), spec), in_place=True)
             if load is not None:
                 self._loads.append(load)
 
@@ -153,37 +170,54 @@ class WorkerSide:
             self._staging[position] = torch.empty(nbytes, dtype=torch.uint8)
         return self._staging[position]
 
-    def _fetch(self, spec: LoadSpec, failed: set[int], into: torch.Tensor | None = None) -> _Load | None:
-        """The store's KV for a load, as whole blocks; the blocks it cannot fill go to `failed`."""
+    def _fetch(self, spec: LoadSpec, failed: set[int], into: torch.Tensor | None = None,
+               in_place: bool = False) -> _Load | None:
+        """The store's KV for a load, as whole blocks; the blocks it cannot fill go to `failed`.
+        `in_place`: an in-process store's pages are read where they lie when they all are in its
+        CPU tier (one copy, into the blocks, instead of two: docs/design.md §7.4)."""
         B = self.block_size
         started = time.perf_counter()
-        matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt, into)
+        pinned = None
+        if in_place and self.link.in_process_store is not None and next(iter(self.layers.values())).is_cpu:
+            matched, kv, pinned = self.link.fetch_in_place(spec.tokens, spec.start, spec.salt, into)
+        else:
+            matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt, into)
         usable = max(0, (min(matched, len(spec.tokens)) - spec.start) // B)  # whole blocks the store still had
         failed.update(spec.block_ids[usable:])
+        found = kv is not None or pinned is not None
         with self._stats_lock:
             self.stats["fetch_s"] += time.perf_counter() - started
             self.stats["failed_blocks"] += len(spec.block_ids) - usable
-            if usable and kv is not None:
+            if usable and found:
                 self.stats["loaded_tokens"] += usable * B
-        if usable == 0 or kv is None:
+                if pinned is not None:
+                    self.stats["in_place_tokens"] += usable * B
+        if usable == 0 or not found:
+            if pinned is not None:
+                pinned.release()
             return None
         device = next(iter(self.layers.values())).device
         block_ids = torch.tensor(spec.block_ids[:usable], dtype=torch.long, device=device)
-        return _Load(spec, kv[:, :, :usable * B], block_ids)
+        return _Load(spec, block_ids, self.spec.num_layers, kv=None if kv is None else kv[:, :, :usable * B],
+                     pinned=pinned)
 
     def _load_whole(self, spec: LoadSpec) -> set[int]:
         """An asynchronous load, on the loader thread: every layer at once. The blocks it could
         not fill (all of them if anything went wrong: they are recomputed, never trusted)."""
         failed: set[int] = set()
+        load = None
         try:
-            load = self._fetch(spec, failed)
+            load = self._fetch(spec, failed, in_place=True)
             if load is not None:
                 assert self.layout is not None
                 for name, layer in self.layers.items():
-                    self.layout.scatter(layer, load.block_ids, load.kv[self.index[name]].to(layer.device))
+                    load.scatter(self.layout, layer, self.index[name])
         except Exception as exc:  # a miss, as with a failed sync load: vLLM recomputes the blocks
             log.warning("kvstore async load of %s failed (%s: %s); recomputing", spec.req_id, type(exc).__name__, exc)
             failed.update(spec.block_ids)
+        finally:
+            if load is not None:
+                load.release()
         return failed
 
     def finished_loads(self) -> set[str]:
@@ -203,7 +237,12 @@ class WorkerSide:
         started = time.perf_counter()
         for load in self._loads:
             if i in load.pending_layers:
-                self.layout.scatter(layer, load.block_ids, load.kv[i].to(layer.device))
+                try:
+                    load.scatter(self.layout, layer, i)
+                except Exception as exc:  # the layer stays pending: its blocks are load errors, recomputed
+                    log.warning("kvstore load of %s failed at layer %d (%s: %s); recomputing", load.spec.req_id, i,
+                                type(exc).__name__, exc)
+                    continue
                 load.pending_layers.discard(i)
         self.stats["scatter_s"] += time.perf_counter() - started
 
@@ -251,7 +290,7 @@ class WorkerSide:
             if load.pending_layers:  # the forward never asked for these layers: do not trust the blocks
                 self._failed_blocks.update(load.block_ids.tolist())
                 self.stats["failed_blocks"] += load.block_ids.numel()
-        self._loads = []
+        self._release_loads()
         if meta is not None and meta.saves and not self._saves:
             self._saves = [self._new_save(spec) for spec in meta.saves]
         saves, self._saves = self._saves, []
@@ -273,6 +312,11 @@ class WorkerSide:
         if held is not None:
             self.stats["saved_tokens"] += max(0, min(held, len(spec.tokens)) - spec.start)
 
+    def _release_loads(self) -> None:
+        loads, self._loads = self._loads, []
+        for load in loads:
+            load.release()
+
     def load_error_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -282,3 +326,4 @@ class WorkerSide:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        self._release_loads()

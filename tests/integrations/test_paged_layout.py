@@ -153,3 +153,45 @@ def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype, blocks):
         scattered = torch.zeros_like(written)
         layout.scatter(scattered, blocks, kv)
         assert torch.equal(scattered, written)  # the named blocks, and no other, written
+
+
+def as_runs(kv: torch.Tensor, cuts: list[int], page_size: int) -> list[tuple[int, torch.Tensor]]:
+    """kv (2, T, H, D) cut at the token positions `cuts` into runs of pages (k, 2, P, H, D),
+    each run a strided view apart from the others, as an in-process store's pages lie."""
+    runs, edges = [], [0, *cuts, kv.shape[1]]
+    for lo, hi in zip(edges, edges[1:]):
+        k = (hi - lo) // page_size
+        apart = kv[:, lo:hi].reshape(2, k, page_size, H, D).transpose(0, 1).contiguous()  # a buffer of its own
+        runs.append((lo, apart))
+    return runs
+
+
+@pytest.mark.parametrize("page_size, cuts", [(16, []), (16, [16, 48]), (32, [32]), (8, [8, 24, 72]), (12, [36])],
+                         ids=["one-run", "half-blocks", "whole-blocks", "quarter-blocks", "pages-across-blocks"])
+@pytest.mark.parametrize("writer", [transposed_k_writer, paired_k_writer], ids=["strided", "permuted"])
+def test_runs_of_pages_scatter_exactly_as_the_joined_kv(writer, page_size, cuts):
+    order = probe_block_order(writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16, name="test")
+    layout = StridedBlockLayout.from_order("test", B, H, D, order) or BlockPermutationLayout("test", B, H, D, order)
+    blocks = torch.tensor([7, 2, 9, 3])
+    tokens = -(-len(blocks) * B // page_size) * page_size + 2 * page_size  # pages past the blocks: not written
+    kv = canonical_kv(1, seed=3).repeat(1, tokens // B + 2, 1, 1)[:, :tokens] + \
+        torch.arange(tokens, dtype=torch.bfloat16)[None, :, None, None]
+    expected = torch.zeros((N, H, B, 2 * D), dtype=torch.bfloat16)
+    layout.scatter(expected, blocks, kv[:, :len(blocks) * B].contiguous())
+    got = torch.zeros_like(expected)
+    layout.scatter_runs(got, blocks, as_runs(kv, cuts, page_size))
+    assert torch.equal(got, expected)
+
+
+def test_runs_that_leave_a_gap_or_end_early_are_refused():
+    order = probe_block_order(transposed_k_writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16,
+                              name="test")
+    layout = StridedBlockLayout.from_order("test", B, H, D, order)
+    kv = canonical_kv(len(BLOCKS))
+    layer = torch.zeros((N, H, B, 2 * D), dtype=torch.bfloat16)
+    runs = as_runs(kv, [32], 16)
+    with pytest.raises(ValueError, match="runs"):
+        layout.scatter_runs(layer, BLOCKS, runs[1:])  # the first block's pages missing
+    with pytest.raises(ValueError, match="runs"):
+        layout.scatter_runs(layer, BLOCKS, runs[:1])  # only the first block
+    assert not layer.any()  # nothing written

@@ -75,12 +75,13 @@ def test_a_batch_mixing_hits_and_misses_gives_every_prompt_its_own_tokens(llm):
     batch = [hits[0], misses[0], hits[1], misses[1]]
     expected = [alone(llm, p) for p in batch]
     run(llm, [shared + [7]])  # stores the 10 shared blocks
-    loaded = worker().stats["loaded_tokens"]
+    loaded, in_place = worker().stats["loaded_tokens"], worker().stats["in_place_tokens"]
 
     got = run(llm, batch)
     assert [tokens for tokens, _ in got] == expected
     assert [cached for _, cached in got] == [320, 0, 320, 0]
     assert worker().stats["loaded_tokens"] - loaded == 640
+    assert worker().stats["in_place_tokens"] - in_place == 640  # read from the CPU tier's pages where they lie
     assert not worker()._async_loads  # every load was reported finished
 
 
@@ -89,19 +90,21 @@ def test_a_load_that_fails_part_way_is_recomputed_to_the_same_tokens(llm):
     expected = alone(llm, prompt)
     run(llm, [prompt])  # stores its 12 whole blocks
     link = worker().link
-    fetch = link.fetch
+    fetch_in_place = link.fetch_in_place
 
     def short_fetch(tokens, start, salt, into=None):  # the store lost the last 4 blocks between lookup and load
-        matched, kv = fetch(tokens, start, salt, into)
+        matched, kv, pinned = fetch_in_place(tokens, start, salt, into)
         keep = max(start, matched - 4 * BLOCK)
-        return keep, (kv[:, :, :keep - start] if kv is not None and keep > start else None)
+        if keep <= start and pinned is not None:
+            pinned.release()
+        return keep, (kv[:, :, :keep - start] if kv is not None and keep > start else None), pinned
 
     failed, loaded = worker().stats["failed_blocks"], worker().stats["loaded_tokens"]
-    link.fetch = short_fetch
+    link.fetch_in_place = short_fetch
     try:
         tokens, _ = run(llm, [prompt])[0]
     finally:
-        link.fetch = fetch
+        link.fetch_in_place = fetch_in_place
     assert tokens == expected
     # 8 of the 12 blocks loaded; vLLM recomputed the 4 reported as load errors.
     assert worker().stats["loaded_tokens"] - loaded == 8 * BLOCK
@@ -113,14 +116,14 @@ def test_a_load_that_raises_is_recomputed_to_the_same_tokens(llm):
     expected = alone(llm, prompt)
     run(llm, [prompt])
     link = worker().link
-    fetch = link.fetch
+    fetch, fetch_in_place = link.fetch, link.fetch_in_place
 
     def broken(tokens, start, salt, into=None):
         raise RuntimeError("the store's answer was lost")
 
-    link.fetch = broken
+    link.fetch = link.fetch_in_place = broken
     try:
         assert run(llm, [prompt])[0] == (expected, 0)
     finally:
-        link.fetch = fetch
+        link.fetch, link.fetch_in_place = fetch, fetch_in_place
     assert run(llm, [prompt])[0] == (expected, 192)  # the store still serves it afterwards
