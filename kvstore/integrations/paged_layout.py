@@ -35,10 +35,10 @@ import math
 import threading
 from typing import Callable
 
-import numpy as np
 import torch
 
-from kvstore.gpu.dtypes import BITS_DTYPES, NUMPY_NATIVE
+from kvstore.host_memory import empty_host
+
 
 class UnsupportedLayout(ValueError):
     """The engine's paged KV layout is not one this module knows how to read; named in the message."""
@@ -52,7 +52,8 @@ class PagedLayout:
     num_kv_heads: int
     head_dim: int
 
-    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: where to write the (2, T, H, D) answer (a fresh tensor when None)."""
         raise NotImplementedError
 
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
@@ -88,13 +89,13 @@ class ContentSplitLayout(PagedLayout):
             raise UnsupportedLayout(f"{self.name}: expected a (num_blocks, {self.num_kv_heads}, {self.block_size}, "
                                     f"{2 * self.head_dim}) layer, got {tuple(layer.shape)}")
 
-    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         n, D = block_ids.numel(), self.head_dim
         blocks = layer[block_ids]  # (n, H, B, 2D), a copy in the physical order's strides
         kv = blocks.view(n, self.num_kv_heads, self.block_size, 2, D) if blocks.is_contiguous() else \
             blocks.reshape(n, self.num_kv_heads, self.block_size, 2, D)
         # (n, H, B, 2, D) -> (2, n, B, H, D) -> (2, n * B, H, D)
-        return kv.permute(3, 0, 2, 1, 4).reshape(2, n * self.block_size, self.num_kv_heads, D)
+        return _into(out, kv.permute(3, 0, 2, 1, 4).reshape(2, n * self.block_size, self.num_kv_heads, D))
 
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         n = block_ids.numel()
@@ -123,12 +124,12 @@ class BlockPermutationLayout(PagedLayout):
 
     # Whole rows first (index_select on blocks), then the permutation inside each row: two
     # contiguous gathers, several times faster than one 2-D advanced index over the same values.
-    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         n = block_ids.numel()
         rows = self._blocks(layer).index_select(0, block_ids)  # (n, block_elements), the block's order
         kv = rows.index_select(1, self.order.to(rows.device)).view(n, 2, self.block_size, self.num_kv_heads,
                                                                    self.head_dim)
-        return kv.transpose(0, 1).reshape(2, n * self.block_size, self.num_kv_heads, self.head_dim)
+        return _into(out, kv.transpose(0, 1).reshape(2, n * self.block_size, self.num_kv_heads, self.head_dim))
 
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         n = block_ids.numel()
@@ -175,31 +176,25 @@ class StridedBlockLayout(PagedLayout):
                                  (block_elements, *strides), layer.storage_offset() + offset)
                 for offset, strides in self.halves]  # K, V: (num_blocks, B, H, D) views
 
-    def _host_halves(self, rows: np.ndarray) -> list[np.ndarray]:
-        """K, V of `rows` (n, block_elements) as (n, B, H, D) numpy views."""
-        n, block_elements = rows.shape
-        item = rows.itemsize
-        return [np.lib.stride_tricks.as_strided(rows.reshape(-1)[offset:], (n, self.block_size, self.num_kv_heads,
-                                                self.head_dim), (block_elements * item, *(st * item for st in strides)))
-                for offset, strides in self.halves]
-
-    # On the CPU the copies go through numpy: whole blocks are copied as rows, then K and V are
-    # rearranged by one strided copy each, all on this thread. torch's index ops on the same
-    # views run several times slower on a busy host (its OpenMP threads wait for descheduled ones).
-    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        n = block_ids.numel()
-        out = torch.empty((2, n, self.block_size, self.num_kv_heads, self.head_dim), dtype=layer.dtype,
-                          device=layer.device)
+    # On the CPU whole blocks are copied out as rows (into this thread's reused buffer), then K
+    # and V rearranged from the rows by one strided copy each, as scatter_runs does the inverse.
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        n, B, H, D = block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim
+        if out is None:
+            out = torch.empty((2, n * B, H, D), dtype=layer.dtype, device=layer.device)
+        self._check_kv(out, n)
         if layer.is_cpu:
             self._views(layer)  # the contiguity check
-            pool = _host(layer).reshape(layer.shape[0], -1)
-            rows = np.take(pool, block_ids.numpy(), axis=0)  # (n, block_elements)
-            for half, view in enumerate(self._host_halves(rows)):
-                np.copyto(_host(out[half]), view)
+            _, rows = self._buffers_for(n, layer.dtype)
+            torch.index_select(layer.view(layer.shape[0], -1), 0, block_ids, out=rows)
+            block_elements = rows.shape[1]
+            for half, (offset, strides) in enumerate(self.halves):
+                out[half].view(n, B, H, D).copy_(
+                    rows.as_strided((n, B, H, D), (block_elements, *strides), rows.storage_offset() + offset))
         else:
             for half, view in enumerate(self._views(layer)):
-                torch.index_select(view, 0, block_ids, out=out[half])
-        return out.view(2, n * self.block_size, self.num_kv_heads, self.head_dim)
+                out[half].view(n, B, H, D).copy_(torch.index_select(view, 0, block_ids))
+        return out
 
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         n = block_ids.numel()
@@ -225,7 +220,7 @@ class StridedBlockLayout(PagedLayout):
         self._views(layer)  # the contiguity check
         n, B, H, D = block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim
         end = n * B
-        joined = self._joined_buffer(end, layer.dtype)  # (2, end, H, D)
+        joined, rows = self._buffers_for(n, layer.dtype)  # (2, end, H, D) and (n, block_elements)
         covered = 0  # runs cover tokens [0, covered) so far
         for first, pages in runs:
             k, P = pages.shape[0], pages.shape[2]
@@ -242,20 +237,32 @@ class StridedBlockLayout(PagedLayout):
                 joined[:, t:end].copy_(pages[whole, :, :end - t])
         if covered < end:
             raise ValueError(f"runs: cover tokens [0, {covered}), expected [0, {end})")
-        block_elements = layer[0].numel()
-        rows = torch.empty((n, block_elements), dtype=layer.dtype)
+        block_elements = rows.shape[1]
         for half, (offset, strides) in enumerate(self.halves):
-            rows.as_strided((n, B, H, D), (block_elements, *strides), offset).copy_(joined[half].view(n, B, H, D))
+            rows.as_strided((n, B, H, D), (block_elements, *strides), rows.storage_offset() + offset).copy_(
+                joined[half].view(n, B, H, D))
         layer.view(layer.shape[0], -1).index_copy_(0, block_ids, rows)
 
-    def _joined_buffer(self, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        """This thread's (2, tokens, H, D) buffer of one layer (an asynchronous load's thread
-        scatters beside the forward's), grown to the longest load seen."""
-        buffer = getattr(self._buffers, "joined", None)
-        needed = 2 * tokens * self.num_kv_heads * self.head_dim
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < needed:
-            buffer = self._buffers.joined = torch.empty(needed, dtype=dtype)
-        return buffer[:needed].view(2, tokens, self.num_kv_heads, self.head_dim)
+    def _buffers_for(self, num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This thread's buffers for `num_blocks` blocks of one layer, `(2, T, H, D)` tokens and
+        `(num_blocks, block_elements)` rows, grown to the longest load seen: reused, they cost
+        no page faults (a fresh one of a long prompt's layer faults in every page, every layer).
+        Per thread: an asynchronous load's thread scatters beside the forward's."""
+        elements = num_blocks * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        buffer = getattr(self._buffers, "scratch", None)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < 2 * elements:
+            buffer = self._buffers.scratch = empty_host((2 * elements,), dtype)
+        tokens = buffer[:elements].view(2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        return tokens, buffer[elements:2 * elements].view(num_blocks, -1)
+
+
+def _into(out: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor:
+    """`kv`, written into `out` when there is one."""
+    if out is None:
+        return kv
+    if out.shape != kv.shape:
+        raise ValueError(f"out: expected {tuple(kv.shape)}, got {tuple(out.shape)}")
+    return out.copy_(kv)
 
 
 def _starts(runs: list[tuple[int, torch.Tensor]]) -> list[int]:
@@ -265,11 +272,6 @@ def _starts(runs: list[tuple[int, torch.Tensor]]) -> list[int]:
         starts.append(t)
         t += pages.shape[0] * pages.shape[2]
     return starts
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a numpy array sharing its memory; 2-byte floats as int16 (bit-exact)."""
-    return (t if t.dtype in NUMPY_NATIVE else t.view(BITS_DTYPES[t.element_size()])).numpy()
 
 
 # A cache writer as vLLM's CPU backend has one: (key (T, H, D), value (T, H, D), slot_mapping (T,))

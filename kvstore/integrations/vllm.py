@@ -164,7 +164,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             return write
 
-        self.worker.register(kv_caches, backends, cpu_writer, self._vllm_config.cache_config.kv_cache_layout)
+        self.worker.register(kv_caches, backends, cpu_writer, self._vllm_config.cache_config.kv_cache_layout,
+                             self._vllm_config.scheduler_config.max_num_batched_tokens)
         log.info("KVStoreConnector: %d layers, paged layout %s", len(kv_caches), self.worker.layout.name)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

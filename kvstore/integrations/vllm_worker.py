@@ -25,6 +25,7 @@ fetch answer of the wrong shape or dtype is a failure (store_link.py).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from kvstore import ModelSpec
+from kvstore.host_memory import empty_host
 from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, PagedLayout,
                                                StridedBlockLayout, UnsupportedLayout, probe_block_order)
 from kvstore.integrations.store_link import StoreLink
@@ -114,6 +116,7 @@ class WorkerSide:
         # answers are consumed within it, and a reused buffer costs no page faults (a fresh one
         # of a long prompt's KV does, on every hit).
         self._staging: list[torch.Tensor] = []
+        self._save_arena = torch.empty(0)  # where the step's saves gather their blocks (_new_saves)
         self._async_loads: dict[str, Future] = {}  # req id -> its load's blocks that failed
         self._loader: ThreadPoolExecutor | None = None  # one thread, made at the first async load
         self._stats_lock = threading.Lock()  # the loader thread counts too
@@ -122,8 +125,12 @@ class WorkerSide:
                       "fetch_s": 0.0, "scatter_s": 0.0, "gather_s": 0.0, "store_s": 0.0}
 
     def register(self, kv_caches: dict[str, torch.Tensor], backends: dict[str, str],
-                 cpu_writer: Callable[[], Callable[..., None]] | None, kv_cache_layout: str | None) -> None:
-        """Take vLLM's per-layer caches; refuse (at start) anything the store's spec cannot describe."""
+                 cpu_writer: Callable[[], Callable[..., None]] | None, kv_cache_layout: str | None,
+                 step_tokens: int | None = None) -> None:
+        """Take vLLM's per-layer caches; refuse (at start) anything the store's spec cannot describe.
+        `step_tokens` (the scheduler's token budget of a step, which bounds a step's saves): on
+        the CPU the save arena is made that large and its pages faulted in now, at start-up,
+        instead of during the first long prompt's prefill."""
         names = sorted(kv_caches, key=layer_index)
         indices = [layer_index(n) for n in names]
         if indices != list(range(self.spec.num_layers)):
@@ -145,6 +152,10 @@ class WorkerSide:
             if isinstance(self.layout, ContentSplitLayout):
                 self.layout.check(layer)
             self.layers[name], self.index[name] = layer, layer_index(name)
+        if first.is_cpu and step_tokens:
+            blocks = -(-step_tokens // self.block_size) + 1  # a request's partial first block
+            self._save_arena_for(blocks * self.block_size * self.spec.bytes_per_token // first.element_size(),
+                                 first.dtype).zero_()
 
     # -- loads ----------------------------------------------------------------------------------
     def start_load(self, meta: StepMeta) -> None:
@@ -252,22 +263,40 @@ class WorkerSide:
         if i is None:
             return
         if not self._saves and meta.saves:
-            self._saves = [self._new_save(spec) for spec in meta.saves]
+            self._saves = self._new_saves(meta.saves)
         assert self.layout is not None
         started = time.perf_counter()
         for save in self._saves:
             if i in save.pending_layers:
-                save.buffer[i] = self.layout.gather(layer, save.block_ids)
+                self.layout.gather(layer, save.block_ids, out=save.buffer[i])
                 save.pending_layers.discard(i)
         self.stats["gather_s"] += time.perf_counter() - started
 
-    def _new_save(self, spec: SaveSpec) -> _Save:
+    def _new_saves(self, specs: list[SaveSpec]) -> list[_Save]:
+        """The step's saves, each with its buffer (L, 2, T, H, D) for the blocks it saves. On the
+        CPU the buffers are slices of one arena reused from step to step (a store has copied or
+        sent a buffer by the time it returns), grown when a step needs more: a fresh buffer of a
+        long prompt's KV faults in every page of it, which cost more than the copy into it."""
         B = self.block_size
-        blocks = spec.block_ids[spec.start // B:]
-        device = next(iter(self.layers.values())).device
-        dtype = next(iter(self.layers.values())).dtype
-        buffer = torch.empty(self.spec.kv_shape(len(blocks) * B), dtype=dtype, device=device)  # (L, 2, T, H, D)
-        return _Save(spec, buffer, torch.tensor(blocks, dtype=torch.long, device=device))
+        first = next(iter(self.layers.values()))
+        blocks = [spec.block_ids[spec.start // B:] for spec in specs]
+        shapes = [self.spec.kv_shape(len(ids) * B) for ids in blocks]
+        buffers = []
+        if first.is_cpu:
+            arena = self._save_arena_for(sum(math.prod(shape) for shape in shapes), first.dtype)
+            offset = 0
+            for shape in shapes:
+                buffers.append(arena[offset:offset + math.prod(shape)].view(shape))
+                offset += math.prod(shape)
+        else:
+            buffers = [torch.empty(shape, dtype=first.dtype, device=first.device) for shape in shapes]
+        return [_Save(spec, buffer, torch.tensor(ids, dtype=torch.long, device=first.device))
+                for spec, buffer, ids in zip(specs, buffers, blocks)]
+
+    def _save_arena_for(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._save_arena.numel() < elements or self._save_arena.dtype != dtype:
+            self._save_arena = empty_host((elements,), dtype)
+        return self._save_arena
 
     def _gather_all(self, block_ids: list[int], out: torch.Tensor | None = None, layers: Any = None) -> torch.Tensor:
         """KV of `block_ids` from every layer (or `layers`) of the paged cache: (L, 2, T, H, D)."""
@@ -281,7 +310,7 @@ class WorkerSide:
         for name in names:
             i = self.index[name]
             if layers is None or i in layers:
-                out[i] = self.layout.gather(self.layers[name], ids)
+                self.layout.gather(self.layers[name], ids, out=out[i])
         return out
 
     def finish_step(self, meta: StepMeta | None) -> None:
@@ -292,7 +321,7 @@ class WorkerSide:
                 self.stats["failed_blocks"] += load.block_ids.numel()
         self._release_loads()
         if meta is not None and meta.saves and not self._saves:
-            self._saves = [self._new_save(spec) for spec in meta.saves]
+            self._saves = self._new_saves(meta.saves)
         saves, self._saves = self._saves, []
         started = time.perf_counter()
         for save in saves:
