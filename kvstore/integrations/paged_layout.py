@@ -24,7 +24,9 @@ Two arrangements cover vLLM's backends:
   runs the backend's own cache-write op on one scratch block of coded values and reads back
   where each (K or V, token, head, dim) landed. Where K and V each land at fixed strides (the
   'vec' kernels) that is a `StridedBlockLayout`, one strided copy per half; any other
-  arrangement is a `BlockPermutationLayout`, a permutation of the block's elements.
+  arrangement is a `BlockPermutationLayout`, a permutation of the block's elements. Either one
+  reads blocks; a `BackendWrittenLayout` writes them with the backend's own cache-write op,
+  which is faster than either's strided or permuting writes.
 
 No vLLM import here: the conversion is plain torch, so it is unit-tested on CPU tensors of every
 shape, and the CPU backend's writer is passed in.
@@ -150,7 +152,7 @@ class StridedBlockLayout(PagedLayout):
                  halves: tuple[tuple[int, tuple[int, int, int]], ...]):
         self.name, self.block_size, self.num_kv_heads, self.head_dim = name, block_size, num_kv_heads, head_dim
         self.halves = halves  # per K, V: (offset in the block, (token, head, dim) strides)
-        self._buffers = threading.local()
+        self._rows = threading.local()
 
     @classmethod
     def from_order(cls, name: str, block_size: int, num_kv_heads: int, head_dim: int,
@@ -168,31 +170,33 @@ class StridedBlockLayout(PagedLayout):
             halves.append((offset, strides))
         return cls(name, B, H, D, tuple(halves))
 
-    def _views(self, layer: torch.Tensor) -> list[torch.Tensor]:
+    def _halves_of(self, blocks: torch.Tensor) -> list[torch.Tensor]:
+        """K and V of `blocks`, a (num_blocks, block_elements) tensor: (num_blocks, B, H, D) views."""
+        return [blocks.as_strided((blocks.shape[0], self.block_size, self.num_kv_heads, self.head_dim),
+                                  (blocks.shape[1], *strides), blocks.storage_offset() + offset)
+                for offset, strides in self.halves]
+
+    def _blocks(self, layer: torch.Tensor) -> torch.Tensor:
         if not layer.is_contiguous():
             raise UnsupportedLayout(f"{self.name}: expected a contiguous paged cache, got strides {layer.stride()}")
-        block_elements = layer[0].numel()
-        return [layer.as_strided((layer.shape[0], self.block_size, self.num_kv_heads, self.head_dim),
-                                 (block_elements, *strides), layer.storage_offset() + offset)
-                for offset, strides in self.halves]  # K, V: (num_blocks, B, H, D) views
+        return layer.view(layer.shape[0], -1)  # (num_blocks, block_elements)
 
     # On the CPU whole blocks are copied out as rows (into this thread's reused buffer), then K
-    # and V rearranged from the rows by one strided copy each, as scatter_runs does the inverse.
+    # and V rearranged from the rows by one strided copy each: two copies of the kind a CPU does
+    # fast, where one strided index_select out of the pool measured slower.
     def gather(self, layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         n, B, H, D = block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim
         if out is None:
             out = torch.empty((2, n * B, H, D), dtype=layer.dtype, device=layer.device)
         self._check_kv(out, n)
+        blocks = self._blocks(layer)
         if layer.is_cpu:
-            self._views(layer)  # the contiguity check
-            _, rows = self._buffers_for(n, layer.dtype)
-            torch.index_select(layer.view(layer.shape[0], -1), 0, block_ids, out=rows)
-            block_elements = rows.shape[1]
-            for half, (offset, strides) in enumerate(self.halves):
-                out[half].view(n, B, H, D).copy_(
-                    rows.as_strided((n, B, H, D), (block_elements, *strides), rows.storage_offset() + offset))
+            rows = _scratch(self._rows, n * blocks.shape[1], layer.dtype).view(n, -1)
+            torch.index_select(blocks, 0, block_ids, out=rows)
+            for half, view in enumerate(self._halves_of(rows)):
+                out[half].view(n, B, H, D).copy_(view)
         else:
-            for half, view in enumerate(self._views(layer)):
+            for half, view in enumerate(self._halves_of(blocks)):
                 out[half].view(n, B, H, D).copy_(torch.index_select(view, 0, block_ids))
         return out
 
@@ -200,60 +204,83 @@ class StridedBlockLayout(PagedLayout):
         n = block_ids.numel()
         self._check_kv(kv, n)
         kv = kv.to(layer.dtype).view(2, n, self.block_size, self.num_kv_heads, self.head_dim)
-        if layer.is_cpu:  # one run of n "pages" of B tokens: (n, 2, B, H, D)
-            self.scatter_runs(layer, block_ids, [(0, kv.transpose(0, 1))])
-        else:
-            for half, view in enumerate(self._views(layer)):
-                view.index_copy_(0, block_ids, kv[half])
+        for half, view in enumerate(self._halves_of(self._blocks(layer))):
+            view.index_copy_(0, block_ids, kv[half])
 
-    # On the CPU a layer is written in three copies, each of the kind a CPU does fast: the runs'
-    # pages are joined into one (2, T, H, D) buffer of this layer (contiguous reads of each
-    # page's layer; the buffer, reused, stays in cache), rearranged from there into whole block
-    # rows (K's transpose within a block is most of the time, and it works in cache), and the
-    # rows written into the pool, which the forward has not touched yet, whole. Transposing
-    # straight from pages that lie apart, or into the pool, measured slower. torch's copies run
-    # on the forward's own intra-op threads, idle between layers (numpy's single-threaded ones
-    # measured slower here).
+
+class BackendWrittenLayout(PagedLayout):
+    """A layout whose blocks are written by the backend's own cache-write op, the one its forward
+    writes new K/V with (vLLM's CPU backend: `cpu_attn_reshape_and_cache`), and read by `reader`.
+
+    On the CPU backend this is the scatter that costs least: a run of pages is joined into one
+    (2, T, H, D) layer (contiguous reads of each page's layer, into a reused buffer that stays
+    in cache), and the writer puts the tokens at their slots in whatever arrangement its ISA
+    keeps (K transposed, or packed for AMX) with the vectorised, threaded loop the forward uses.
+    Rearranging with torch's strided copies measured slower (docs/design.md §7.4)."""
+
+    def __init__(self, reader: PagedLayout, write: SlotWriter):
+        self.reader, self.write = reader, write
+        self.name = f"{reader.name}+writer"
+        self.block_size, self.num_kv_heads, self.head_dim = reader.block_size, reader.num_kv_heads, reader.head_dim
+        self._joined = threading.local()
+        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_ids, their slots), the last used
+
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.reader.gather(layer, block_ids, out)
+
+    def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        self._check_kv(kv, block_ids.numel())
+        kv = kv.to(layer.dtype)
+        self.write(layer, kv[0], kv[1], self._slots_of(block_ids))
+
     def scatter_runs(self, layer: torch.Tensor, block_ids: torch.Tensor, runs: list[tuple[int, torch.Tensor]]) -> None:
-        if not layer.is_cpu:
-            return super().scatter_runs(layer, block_ids, runs)
-        self._views(layer)  # the contiguity check
-        n, B, H, D = block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim
-        end = n * B
-        joined, rows = self._buffers_for(n, layer.dtype)  # (2, end, H, D) and (n, block_elements)
-        covered = 0  # runs cover tokens [0, covered) so far
-        for first, pages in runs:
-            k, P = pages.shape[0], pages.shape[2]
-            if first != covered or tuple(pages.shape[3:]) != (H, D) or pages.shape[1] != 2:
-                raise ValueError(f"runs: expected (k, 2, P, {H}, {D}) pages covering tokens [0, {end}) in order, "
-                                 f"got a run at token {first} of {tuple(pages.shape)}")
-            covered = first + k * P
-            used = min(k, -(-(end - first) // P)) if first < end else 0  # pages that reach into the blocks
-            whole = min(used, (end - first) // P)  # ... of them, those wholly inside
-            if whole:
-                joined[:, first:first + whole * P].view(2, whole, P, H, D).copy_(pages[:whole].transpose(0, 1))
-            if used > whole:  # a page that runs past the last block: its first tokens only
-                t = first + whole * P
-                joined[:, t:end].copy_(pages[whole, :, :end - t])
-        if covered < end:
-            raise ValueError(f"runs: cover tokens [0, {covered}), expected [0, {end})")
-        block_elements = rows.shape[1]
-        for half, (offset, strides) in enumerate(self.halves):
-            rows.as_strided((n, B, H, D), (block_elements, *strides), rows.storage_offset() + offset).copy_(
-                joined[half].view(n, B, H, D))
-        layer.view(layer.shape[0], -1).index_copy_(0, block_ids, rows)
+        n, H, D = block_ids.numel(), self.num_kv_heads, self.head_dim
+        joined = _scratch(self._joined, 2 * n * self.block_size * H * D, layer.dtype).view(2, -1, H, D)
+        join_runs(runs, joined)
+        self.write(layer, joined[0], joined[1], self._slots_of(block_ids))
 
-    def _buffers_for(self, num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """This thread's buffers for `num_blocks` blocks of one layer, `(2, T, H, D)` tokens and
-        `(num_blocks, block_elements)` rows, grown to the longest load seen: reused, they cost
-        no page faults (a fresh one of a long prompt's layer faults in every page, every layer).
-        Per thread: an asynchronous load's thread scatters beside the forward's."""
-        elements = num_blocks * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        buffer = getattr(self._buffers, "scratch", None)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < 2 * elements:
-            buffer = self._buffers.scratch = empty_host((2 * elements,), dtype)
-        tokens = buffer[:elements].view(2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        return tokens, buffer[elements:2 * elements].view(num_blocks, -1)
+    def _slots_of(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's slot (block id x B + offset in the block), as the writer takes them. A
+        load's layers share one `block_ids` tensor, so its slots are made once per load."""
+        cached = self._slots
+        if cached is not None and cached[0] is block_ids:
+            return cached[1]
+        offsets = torch.arange(self.block_size, dtype=torch.long, device=block_ids.device)
+        slots = (block_ids.to(torch.long)[:, None] * self.block_size + offsets).reshape(-1)
+        self._slots = (block_ids, slots)
+        return slots
+
+
+def join_runs(runs: list[tuple[int, torch.Tensor]], joined: torch.Tensor) -> None:
+    """Copy the tokens [0, T) of `runs` (`(first token, (k, 2, P, H, D) pages)`, in order, with
+    no gap) into `joined` (2, T, H, D); pages past T are read only as far as T."""
+    end, H, D = joined.shape[1], joined.shape[2], joined.shape[3]
+    covered = 0  # runs cover tokens [0, covered) so far
+    for first, pages in runs:
+        k, P = pages.shape[0], pages.shape[2]
+        if first != covered or tuple(pages.shape[3:]) != (H, D) or pages.shape[1] != 2:
+            raise ValueError(f"runs: expected (k, 2, P, {H}, {D}) pages covering tokens [0, {end}) in order, "
+                             f"got a run at token {first} of {tuple(pages.shape)}")
+        covered = first + k * P
+        used = min(k, -(-(end - first) // P)) if first < end else 0  # pages that reach into [0, end)
+        whole = min(used, (end - first) // P)  # ... of them, those wholly inside
+        if whole:
+            joined[:, first:first + whole * P].view(2, whole, P, H, D).copy_(pages[:whole].transpose(0, 1))
+        if used > whole:  # a page that runs past the end: its first tokens only
+            t = first + whole * P
+            joined[:, t:end].copy_(pages[whole, :, :end - t])
+    if covered < end:
+        raise ValueError(f"runs: cover tokens [0, {covered}), expected [0, {end})")
+
+
+def _scratch(local: threading.local, elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reused buffer of at least `elements` values, grown to the largest asked
+    for: reused, it costs no page faults (a fresh one of a long prompt's layer faults in every
+    page, every layer). Per thread: an asynchronous load's thread copies beside the forward's."""
+    buffer = getattr(local, "buffer", None)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < elements:
+        buffer = local.buffer = empty_host((elements,), dtype)
+    return buffer[:elements]
 
 
 def _into(out: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor:
@@ -274,12 +301,13 @@ def _starts(runs: list[tuple[int, torch.Tensor]]) -> list[int]:
     return starts
 
 
-# A cache writer as vLLM's CPU backend has one: (key (T, H, D), value (T, H, D), slot_mapping (T,))
-# writes those tokens into `block` (1, H, B, 2D) at those slots, in the backend's own arrangement.
-BlockWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# A cache writer as vLLM's CPU backend has one: (layer (num_blocks, H, B, 2D), key (T, H, D),
+# value (T, H, D), slot_mapping (T,)) writes those tokens into the layer's blocks at those slots,
+# in the backend's own arrangement. key and value may be strided views.
+SlotWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def probe_block_order(write: BlockWriter, *, block_size: int, num_kv_heads: int, head_dim: int,
+def probe_block_order(write: SlotWriter, *, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, name: str) -> torch.Tensor:
     """Where each canonical `(2, B, H, D)` element of a block lands when `write` stores it.
 

@@ -36,8 +36,8 @@ import torch
 
 from kvstore import ModelSpec
 from kvstore.host_memory import empty_host
-from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, PagedLayout,
-                                               StridedBlockLayout, UnsupportedLayout, probe_block_order)
+from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout, ContentSplitLayout,
+                                               PagedLayout, StridedBlockLayout, UnsupportedLayout, probe_block_order)
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm_scheduler import LoadSpec, SaveSpec, StepMeta
 from kvstore.pinned_fetch import PinnedFetch
@@ -65,11 +65,12 @@ def layout_for(backend: str, *, block_size: int, num_kv_heads: int, head_dim: in
     if backend in CONTENT_SPLIT_BACKENDS:
         return ContentSplitLayout(f"{backend}/{kv_cache_layout or 'NHD'}", block_size, num_kv_heads, head_dim)
     if backend == CPU_BACKEND and cpu_writer is not None:
-        name = f"{backend}"
-        order = probe_block_order(cpu_writer(), block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                  dtype=dtype, name=name)
-        return StridedBlockLayout.from_order(f"{name}/strided", block_size, num_kv_heads, head_dim, order) \
-            or BlockPermutationLayout(f"{name}/permuted", block_size, num_kv_heads, head_dim, order)
+        write = cpu_writer()
+        order = probe_block_order(write, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  dtype=dtype, name=backend)
+        reader = StridedBlockLayout.from_order(f"{backend}/strided", block_size, num_kv_heads, head_dim, order) \
+            or BlockPermutationLayout(f"{backend}/permuted", block_size, num_kv_heads, head_dim, order)
+        return BackendWrittenLayout(reader, write)
     known = ", ".join((*CONTENT_SPLIT_BACKENDS, CPU_BACKEND))
     raise UnsupportedLayout(f"KVStoreConnector: attention backend {backend!r} has a paged KV layout kvstore does not "
                             f"know (known: {known})")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.integrations.paged_layout import (BlockPermutationLayout, ContentSplitLayout, StridedBlockLayout,
-                                               UnsupportedLayout, probe_block_order)
+from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout, ContentSplitLayout,
+                                               StridedBlockLayout, UnsupportedLayout, probe_block_order)
 from kvstore.integrations.vllm_worker import layer_index, layout_for
 
 B, H, D, N = 32, 2, 8, 12  # block size, KV heads, head size, blocks in the pool
@@ -142,7 +142,12 @@ def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype, blocks):
 
     order = probe_block_order(write, block_size=B, num_kv_heads=H, head_dim=head_dim, dtype=dtype, name=isa)
     strided = StridedBlockLayout.from_order(isa, B, H, head_dim, order)
-    layouts = [BlockPermutationLayout(isa, B, H, head_dim, order)] + ([strided] if strided else [])
+    readers = [BlockPermutationLayout(isa, B, H, head_dim, order)] + ([strided] if strided else [])
+    layouts = readers + [BackendWrittenLayout(reader, write) for reader in readers]
+    connector = layout_for("CPU_ATTN", block_size=B, num_kv_heads=H, head_dim=head_dim, dtype=dtype,
+                           cpu_writer=lambda: write)
+    assert isinstance(connector, BackendWrittenLayout) and connector.name.startswith("CPU_ATTN/")
+    layouts.append(connector)
     g = torch.Generator().manual_seed(1)
     kv = torch.randn((2, len(blocks) * B, H, head_dim), generator=g).to(dtype)
     written = torch.zeros((N, H, B, 2 * head_dim), dtype=dtype)
@@ -153,6 +158,10 @@ def test_cpu_backend_layout_matches_vllms_own_cache_write(isa, dtype, blocks):
         scattered = torch.zeros_like(written)
         layout.scatter(scattered, blocks, kv)
         assert torch.equal(scattered, written)  # the named blocks, and no other, written
+        from_runs = torch.zeros_like(written)  # the same from pages of 16 tokens in two runs that lie apart
+        pages = kv.reshape(2, -1, 16, H, head_dim).transpose(0, 1).contiguous()
+        layout.scatter_runs(from_runs, blocks, [(0, pages[:1].clone()), (16, pages[1:].clone())])
+        assert torch.equal(from_runs, written)
 
 
 def as_runs(kv: torch.Tensor, cuts: list[int], page_size: int) -> list[tuple[int, torch.Tensor]]:
@@ -168,10 +177,13 @@ def as_runs(kv: torch.Tensor, cuts: list[int], page_size: int) -> list[tuple[int
 
 @pytest.mark.parametrize("page_size, cuts", [(16, []), (16, [16, 48]), (32, [32]), (8, [8, 24, 72]), (12, [36])],
                          ids=["one-run", "half-blocks", "whole-blocks", "quarter-blocks", "pages-across-blocks"])
+@pytest.mark.parametrize("written", [False, True], ids=["copied", "backend-written"])
 @pytest.mark.parametrize("writer", [transposed_k_writer, paired_k_writer], ids=["strided", "permuted"])
-def test_runs_of_pages_scatter_exactly_as_the_joined_kv(writer, page_size, cuts):
+def test_runs_of_pages_scatter_exactly_as_the_joined_kv(writer, written, page_size, cuts):
     order = probe_block_order(writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16, name="test")
     layout = StridedBlockLayout.from_order("test", B, H, D, order) or BlockPermutationLayout("test", B, H, D, order)
+    if written:
+        layout = BackendWrittenLayout(layout, writer)
     blocks = torch.tensor([7, 2, 9, 3])
     tokens = -(-len(blocks) * B // page_size) * page_size + 2 * page_size  # pages past the blocks: not written
     kv = canonical_kv(1, seed=3).repeat(1, tokens // B + 2, 1, 1)[:, :tokens] + \
@@ -183,10 +195,13 @@ def test_runs_of_pages_scatter_exactly_as_the_joined_kv(writer, page_size, cuts)
     assert torch.equal(got, expected)
 
 
-def test_runs_that_leave_a_gap_or_end_early_are_refused():
+@pytest.mark.parametrize("written", [False, True], ids=["copied", "backend-written"])
+def test_runs_that_leave_a_gap_or_end_early_are_refused(written):
     order = probe_block_order(transposed_k_writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16,
                               name="test")
     layout = StridedBlockLayout.from_order("test", B, H, D, order)
+    if written:
+        layout = BackendWrittenLayout(layout, transposed_k_writer)
     kv = canonical_kv(len(BLOCKS))
     layer = torch.zeros((N, H, B, 2 * D), dtype=torch.bfloat16)
     runs = as_runs(kv, [32], 16)

@@ -1,0 +1,127 @@
+"""The vLLM connector's copies on vLLM's CPU backend, each against a plain copy of the same bytes.
+
+    python bench/paged_copy.py [--tokens 1024 2048 4096 8192] [--json FILE]
+
+A hit writes a prompt's KV, which an in-process store hands out as its CPU tier's pages where
+they lie (pages of 16 tokens, each holding every layer), into vLLM's blocks of 32 tokens,
+layer by layer; a miss gathers the new blocks out. The shapes are SmolLM2-135M-Instruct's (30
+layers, 3 KV heads of 64, float32: 46,080 bytes a token), and the blocks are the backend's own
+arrangement, probed from its cache-write op as the connector does at start. Rows:
+
+- memcpy: one copy of the hit's bytes, the floor of any scatter or gather;
+- scatter, strided copies: the pages joined, K and V rearranged into block rows by torch's
+  strided copies, the rows written into the pool;
+- scatter, backend writer: the pages joined, then vLLM's own cache-write op (what the
+  connector does, kvstore/integrations/paged_layout.py BackendWrittenLayout);
+- gather: the blocks copied out into the store's layout (a miss's save).
+
+Needs vLLM's CPU build; every figure is the best of `--repeats`, ratios within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout,  # noqa: E402
+                                               StridedBlockLayout, probe_block_order)
+
+LAYERS, HEADS, HEAD_DIM, PAGE, BLOCK = 30, 3, 64, 16, 32
+
+
+def best_ms(work: Callable[[], None], repeats: int) -> float:
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def strided_copies(layout: StridedBlockLayout, layer: torch.Tensor, block_ids: torch.Tensor,
+                   pages: torch.Tensor, joined: torch.Tensor, rows: torch.Tensor) -> None:
+    """The torch-only scatter: join, rearrange into block rows with strided copies, write rows."""
+    T = joined.shape[1]
+    joined.view(2, T // PAGE, PAGE, HEADS, HEAD_DIM).copy_(pages.transpose(0, 1))
+    n = block_ids.numel()
+    for half, view in enumerate(layout._halves_of(rows)):
+        view.copy_(joined[half].view(n, BLOCK, HEADS, HEAD_DIM))
+    layer.view(layer.shape[0], -1).index_copy_(0, block_ids, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--isa", default="vec", help="the CPU attention kernels' ISA (vec, vec16, amx)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        sys.exit("bench/paged_copy.py needs vLLM's CPU build (make install brings it)")
+
+    def write(layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        n, h, b, _ = layer.shape
+        key_cache, value_cache = layer.view(n, h, 2 * b, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, args.isa)
+
+    dtype = torch.float32
+    order = probe_block_order(write, block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
+                              name=args.isa)
+    reader = StridedBlockLayout.from_order(args.isa, BLOCK, HEADS, HEAD_DIM, order)
+    if reader is None:
+        reader = BlockPermutationLayout(args.isa, BLOCK, HEADS, HEAD_DIM, order)
+    written = BackendWrittenLayout(reader, write)
+    print(f"CPU backend ISA {args.isa}: blocks {reader.name}, {torch.get_num_threads()} torch threads")
+    print(f"{'tokens':>7} {'MB':>5} {'memcpy ms':>10} {'strided ms':>11} {'writer ms':>10} {'gather ms':>10}"
+          f"  / memcpy: strided writer gather")
+    results = []
+    for T in args.tokens:
+        n = T // BLOCK
+        pool = [torch.zeros(2 * n + 8, HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype) for _ in range(LAYERS)]
+        block_ids = torch.randperm(2 * n + 8, generator=torch.Generator().manual_seed(T))[:n].sort().values
+        pages = torch.randn(T // PAGE, LAYERS, 2, PAGE, HEADS, HEAD_DIM, dtype=dtype)  # a run of tier slots
+        runs_of = [[(0, pages[:, i])] for i in range(LAYERS)]
+        copy = torch.empty_like(pages)
+        joined = torch.empty(2, T, HEADS, HEAD_DIM, dtype=dtype)
+        rows = torch.empty(n, pool[0][0].numel(), dtype=dtype)
+        saved = torch.empty(LAYERS, 2, T, HEADS, HEAD_DIM, dtype=dtype)
+        row = {"tokens": T, "mb": pages.numel() * pages.element_size() / 1e6,
+               "memcpy_ms": best_ms(lambda: copy.copy_(pages), args.repeats)}
+        if isinstance(reader, StridedBlockLayout):
+            row["strided_ms"] = best_ms(lambda: [strided_copies(reader, pool[i], block_ids, pages[:, i], joined, rows)
+                                                 for i in range(LAYERS)], args.repeats)
+            expected = [layer.clone() for layer in pool]
+            for layer in pool:
+                layer.zero_()
+        row["writer_ms"] = best_ms(lambda: [written.scatter_runs(pool[i], block_ids, runs_of[i])
+                                            for i in range(LAYERS)], args.repeats)
+        if isinstance(reader, StridedBlockLayout) and not all(map(torch.equal, expected, pool)):
+            sys.exit("the two scatters wrote different blocks")
+        row["gather_ms"] = best_ms(lambda: [written.gather(pool[i], block_ids, out=saved[i]) for i in range(LAYERS)],
+                                   args.repeats)
+        if not torch.equal(saved.view(LAYERS, 2, T // PAGE, PAGE, HEADS, HEAD_DIM).permute(2, 0, 1, 3, 4, 5), pages):
+            sys.exit("the gather did not read back the scattered KV")
+        strided = row.get("strided_ms", float("nan"))
+        memcpy = row["memcpy_ms"]
+        print(f"{T:>7} {row['mb']:>5.0f} {memcpy:>10.1f} {strided:>11.1f} {row['writer_ms']:>10.1f} "
+              f"{row['gather_ms']:>10.1f}  {strided / memcpy:>15.2f} {row['writer_ms'] / memcpy:.2f}"
+              f" {row['gather_ms'] / memcpy:.2f}")
+        results.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"isa": args.isa, "threads": torch.get_num_threads(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
