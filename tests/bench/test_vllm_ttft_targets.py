@@ -25,13 +25,17 @@ def table(own_hit_2k_shm: float, miss_store_s: float) -> list[dict]:
 
 
 def test_targets_met_and_missed() -> None:
-    results = {"inproc": {"connector_share_of_decode_step": 0.005}}
+    results = {"inproc": {"connector_share_of_decode_step": 0.005, "connector_share_of_prefill": 0.02}}
     met = {c["target"]: c for c in vllm_ttft.judge_targets(table(1.15, 0.005), results)}
     assert set(met) == set(vllm_ttft.TARGETS)
     assert all(c["met"] for c in met.values())
     assert met["hit_vs_own_hit"]["values"] == [1.1, 1.1, 1.1, 1.15]
     assert met["hit_vs_full_from_2k"]["values"] == [0.1, 0.01]  # the 1k hit's 0.5 is not judged
     assert met["tcp_hit_vs_own_hit_2k"]["values"] == [1.9]
+    assert met["miss_work_share_of_prefill"]["values"][-1] == 0.02  # every hook of a 512-token prefill
     missed = {c["target"]: c["met"] for c in vllm_ttft.judge_targets(table(1.25, 0.05), results)}
     assert missed["hit_vs_own_hit"] is False and missed["miss_work_share_of_prefill"] is False
     assert missed["tcp_hit_vs_own_hit_2k"] is True
+    results["inproc"]["connector_share_of_prefill"] = 0.04
+    hooks = {c["target"]: c["met"] for c in vllm_ttft.judge_targets(table(1.15, 0.005), results)}
+    assert hooks["miss_work_share_of_prefill"] is False
