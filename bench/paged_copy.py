@@ -13,6 +13,8 @@ arrangement, probed from its cache-write op as the connector does at start. Rows
   strided copies, the rows written into the pool;
 - scatter, backend writer: the pages joined, then vLLM's own cache-write op (what the
   connector does, kvstore/integrations/paged_layout.py BackendWrittenLayout);
+- scatter, writer per offset: the same op reading the pages where they lie, one call per token
+  offset within a page (no join; tried, not used);
 - gather: the blocks copied out into the store's layout (a miss's save).
 
 Needs vLLM's CPU build; every figure is the best of `--repeats`, ratios within one run.
@@ -57,6 +59,15 @@ def strided_copies(layout: StridedBlockLayout, layer: torch.Tensor, block_ids: t
     layer.view(layer.shape[0], -1).index_copy_(0, block_ids, rows)
 
 
+def writer_per_offset(write: Callable[..., None], layer: torch.Tensor, slots_by_offset: list[torch.Tensor],
+                      pages: torch.Tensor) -> None:
+    """The writer reading the pages where they lie: one call per token offset within a page,
+    whose tokens (one a page) are evenly strided, so no join (tried; not what the connector does).
+    `slots_by_offset[p]`: the slots of tokens p, p + PAGE, ... (contiguous, as the op reads them)."""
+    for p, slots in enumerate(slots_by_offset):
+        write(layer, pages[:, 0, p], pages[:, 1, p], slots)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -82,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         reader = BlockPermutationLayout(args.isa, BLOCK, HEADS, HEAD_DIM, order)
     written = BackendWrittenLayout(reader, write)
     print(f"CPU backend ISA {args.isa}: blocks {reader.name}, {torch.get_num_threads()} torch threads")
-    print(f"{'tokens':>7} {'MB':>5} {'memcpy ms':>10} {'strided ms':>11} {'writer ms':>10} {'gather ms':>10}"
-          f"  / memcpy: strided writer gather")
+    print(f"{'tokens':>7} {'MB':>5} {'memcpy ms':>10} {'strided ms':>11} {'writer ms':>10} {'offsets ms':>11} "
+          f"{'gather ms':>10}  / memcpy: strided writer offsets gather")
     results = []
     for T in args.tokens:
         n = T // BLOCK
@@ -107,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
                                             for i in range(LAYERS)], args.repeats)
         if isinstance(reader, StridedBlockLayout) and not all(map(torch.equal, expected, pool)):
             sys.exit("the two scatters wrote different blocks")
+        written_blocks = [layer.clone() for layer in pool]
+        for layer in pool:
+            layer.zero_()
+        slots = written._slots_of(block_ids)
+        by_offset = [slots[p::PAGE].contiguous() for p in range(PAGE)]
+        row["per_offset_ms"] = best_ms(lambda: [writer_per_offset(write, pool[i], by_offset, pages[:, i])
+                                                for i in range(LAYERS)], args.repeats)
+        if not all(map(torch.equal, written_blocks, pool)):
+            sys.exit("the per-offset writer wrote different blocks")
         row["gather_ms"] = best_ms(lambda: [written.gather(pool[i], block_ids, out=saved[i]) for i in range(LAYERS)],
                                    args.repeats)
         if not torch.equal(saved.view(LAYERS, 2, T // PAGE, PAGE, HEADS, HEAD_DIM).permute(2, 0, 1, 3, 4, 5), pages):
@@ -114,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         strided = row.get("strided_ms", float("nan"))
         memcpy = row["memcpy_ms"]
         print(f"{T:>7} {row['mb']:>5.0f} {memcpy:>10.1f} {strided:>11.1f} {row['writer_ms']:>10.1f} "
-              f"{row['gather_ms']:>10.1f}  {strided / memcpy:>15.2f} {row['writer_ms'] / memcpy:.2f}"
-              f" {row['gather_ms'] / memcpy:.2f}")
+              f"{row['per_offset_ms']:>11.1f} {row['gather_ms']:>10.1f}  {strided / memcpy:>15.2f} "
+              f"{row['writer_ms'] / memcpy:.2f} {row['per_offset_ms'] / memcpy:.2f} {row['gather_ms'] / memcpy:.2f}")
         results.append(row)
     if args.json:
         with open(args.json, "w") as f:
