@@ -303,7 +303,8 @@ def _starts(runs: list[tuple[int, torch.Tensor]]) -> list[int]:
 
 # A cache writer as vLLM's CPU backend has one: (layer (num_blocks, H, B, 2D), key (T, H, D),
 # value (T, H, D), slot_mapping (T,)) writes those tokens into the layer's blocks at those slots,
-# in the backend's own arrangement. key and value may be strided views.
+# in the backend's own arrangement. key and value may be strided views; slot_mapping must be
+# contiguous (vLLM's op reads it as a flat array, whatever its strides say).
 SlotWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
