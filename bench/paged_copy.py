@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         written_blocks = [layer.clone() for layer in pool]
         for layer in pool:
             layer.zero_()
-        slots = written._slots_of(block_ids)
+        slots = written._slots_of(block_ids, pool[0].shape[0])
         by_offset = [slots[p::PAGE].contiguous() for p in range(PAGE)]
         row["per_offset_ms"] = best_ms(lambda: [writer_per_offset(write, pool[i], by_offset, pages[:, i])
                                                 for i in range(LAYERS)], args.repeats)

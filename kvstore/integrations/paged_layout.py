@@ -231,20 +231,24 @@ class BackendWrittenLayout(PagedLayout):
     def scatter(self, layer: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         self._check_kv(kv, block_ids.numel())
         kv = kv.to(layer.dtype)
-        self.write(layer, kv[0], kv[1], self._slots_of(block_ids))
+        self.write(layer, kv[0], kv[1], self._slots_of(block_ids, layer.shape[0]))
 
     def scatter_runs(self, layer: torch.Tensor, block_ids: torch.Tensor, runs: list[tuple[int, torch.Tensor]]) -> None:
         n, H, D = block_ids.numel(), self.num_kv_heads, self.head_dim
         joined = _scratch(self._joined, 2 * n * self.block_size * H * D, layer.dtype).view(2, -1, H, D)
+        slots = self._slots_of(block_ids, layer.shape[0])
         join_runs(runs, joined)
-        self.write(layer, joined[0], joined[1], self._slots_of(block_ids))
+        self.write(layer, joined[0], joined[1], slots)
 
-    def _slots_of(self, block_ids: torch.Tensor) -> torch.Tensor:
+    def _slots_of(self, block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """Each token's slot (block id x B + offset in the block), as the writer takes them. A
-        load's layers share one `block_ids` tensor, so its slots are made once per load."""
+        load's layers share one `block_ids` tensor, so its slots are made (and its ids checked:
+        the backend's op writes where the slots say, unchecked) once per load."""
         cached = self._slots
         if cached is not None and cached[0] is block_ids:
             return cached[1]
+        if block_ids.numel() and not (0 <= int(block_ids.min()) and int(block_ids.max()) < num_blocks):
+            raise ValueError(f"block_ids: expected ids in [0, {num_blocks}), got {block_ids.min()}..{block_ids.max()}")
         offsets = torch.arange(self.block_size, dtype=torch.long, device=block_ids.device)
         slots = (block_ids.to(torch.long)[:, None] * self.block_size + offsets).reshape(-1)
         self._slots = (block_ids, slots)

@@ -210,3 +210,17 @@ def test_runs_that_leave_a_gap_or_end_early_are_refused(written):
     with pytest.raises(ValueError, match="runs"):
         layout.scatter_runs(layer, BLOCKS, runs[:1])  # only the first block
     assert not layer.any()  # nothing written
+
+
+def test_the_backend_writer_is_never_handed_a_block_outside_the_pool():
+    order = probe_block_order(transposed_k_writer, block_size=B, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16,
+                              name="test")
+    layout = BackendWrittenLayout(StridedBlockLayout.from_order("test", B, H, D, order), transposed_k_writer)
+    layer = torch.zeros((N, H, B, 2 * D), dtype=torch.bfloat16)
+    kv = canonical_kv(2)
+    for bad in ([3, N], [-1, 2]):
+        with pytest.raises(ValueError, match="block_ids"):
+            layout.scatter(layer, torch.tensor(bad), kv)
+        with pytest.raises(ValueError, match="block_ids"):
+            layout.scatter_runs(layer, torch.tensor(bad), as_runs(kv, [], 16))
+    assert not layer.any()  # nothing written
