@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout,  # noqa: E402
-                                               StridedBlockLayout, probe_block_order)
+                                               StridedBlockLayout, join_runs, probe_block_order)
 
 LAYERS, HEADS, HEAD_DIM, PAGE, BLOCK = 30, 3, 64, 16, 32
 
@@ -51,8 +51,7 @@ def best_ms(work: Callable[[], None], repeats: int) -> float:
 def strided_copies(layout: StridedBlockLayout, layer: torch.Tensor, block_ids: torch.Tensor,
                    pages: torch.Tensor, joined: torch.Tensor, rows: torch.Tensor) -> None:
     """The torch-only scatter: join, rearrange into block rows with strided copies, write rows."""
-    T = joined.shape[1]
-    joined.view(2, T // PAGE, PAGE, HEADS, HEAD_DIM).copy_(pages.transpose(0, 1))
+    join_runs([(0, pages)], joined)
     n = block_ids.numel()
     for half, view in enumerate(layout._halves_of(rows)):
         view.copy_(joined[half].view(n, BLOCK, HEADS, HEAD_DIM))

@@ -10,7 +10,8 @@ whole blocks:
     scatter_runs(layer, block_ids, runs)
                                      the same from runs of pages, `(first token, (k, 2, P, H, D))`,
                                      that lie apart (an in-process store's pages where they are:
-                                     kvstore/pinned_fetch.py), without joining them first
+                                     kvstore/pinned_fetch.py), joined layer by layer into a
+                                     buffer instead of into a staging answer of every layer
 
 Two arrangements cover vLLM's backends:
 
@@ -65,12 +66,16 @@ class PagedLayout:
         """Write the blocks from `runs`, which cover their tokens [0, len(block_ids) * B) in order.
         Here by joining the runs into one (2, T, H, D) and scattering that; a layout that can
         read the runs as they lie overrides it."""
-        end = block_ids.numel() * self.block_size
-        parts = [pages.transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_dim) for _, pages in runs]
-        kv = torch.cat(parts, dim=1)[:, :end] if parts else None
-        if kv is None or kv.shape[1] < end or [first for first, _ in runs] != _starts(runs):
-            raise ValueError(f"runs: expected pages covering tokens [0, {end}) in order")
-        self.scatter(layer, block_ids, kv.to(layer.device))
+        kv = torch.empty((2, block_ids.numel() * self.block_size, self.num_kv_heads, self.head_dim),
+                         dtype=layer.dtype, device=layer.device)
+        join_runs(runs, kv)
+        self.scatter(layer, block_ids, kv)
+
+    def _blocks(self, layer: torch.Tensor) -> torch.Tensor:
+        """A layer whose blocks are each one contiguous run of values, as (num_blocks, block_elements)."""
+        if not layer.is_contiguous():
+            raise UnsupportedLayout(f"{self.name}: expected a contiguous paged cache, got strides {layer.stride()}")
+        return layer.view(layer.shape[0], -1)
 
     def _check_kv(self, kv: torch.Tensor, num_blocks: int) -> None:
         expected = (2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
@@ -118,11 +123,6 @@ class BlockPermutationLayout(PagedLayout):
             raise ValueError(f"order: expected {expected} positions, got {tuple(order.shape)}")
         self.order = order.to(torch.long)
         self.inverse = torch.argsort(self.order)  # inverse[p]: the canonical index held at block position p
-
-    def _blocks(self, layer: torch.Tensor) -> torch.Tensor:
-        if not layer.is_contiguous():
-            raise UnsupportedLayout(f"{self.name}: expected a contiguous paged cache, got strides {layer.stride()}")
-        return layer.view(layer.shape[0], -1)  # (num_blocks, block_elements)
 
     # Whole rows first (index_select on blocks), then the permutation inside each row: two
     # contiguous gathers, several times faster than one 2-D advanced index over the same values.
@@ -175,11 +175,6 @@ class StridedBlockLayout(PagedLayout):
         return [blocks.as_strided((blocks.shape[0], self.block_size, self.num_kv_heads, self.head_dim),
                                   (blocks.shape[1], *strides), blocks.storage_offset() + offset)
                 for offset, strides in self.halves]
-
-    def _blocks(self, layer: torch.Tensor) -> torch.Tensor:
-        if not layer.is_contiguous():
-            raise UnsupportedLayout(f"{self.name}: expected a contiguous paged cache, got strides {layer.stride()}")
-        return layer.view(layer.shape[0], -1)  # (num_blocks, block_elements)
 
     # On the CPU whole blocks are copied out as rows (into this thread's reused buffer), then K
     # and V rearranged from the rows by one strided copy each: two copies of the kind a CPU does
@@ -294,15 +289,6 @@ def _into(out: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor:
     if out.shape != kv.shape:
         raise ValueError(f"out: expected {tuple(kv.shape)}, got {tuple(out.shape)}")
     return out.copy_(kv)
-
-
-def _starts(runs: list[tuple[int, torch.Tensor]]) -> list[int]:
-    """Where each run must start for the runs to be contiguous from token 0."""
-    starts, t = [], 0
-    for _, pages in runs:
-        starts.append(t)
-        t += pages.shape[0] * pages.shape[2]
-    return starts
 
 
 # A cache writer as vLLM's CPU backend has one: (layer (num_blocks, H, B, 2D), key (T, H, D),
