@@ -29,6 +29,7 @@ from kvstore.api.client_arena import ClientArena
 from kvstore.api.config import is_loopback
 from kvstore.api.http1 import Connection, ProtocolError
 from kvstore.config import ModelSpec
+from kvstore.copy_threads import copy_all
 from kvstore.errors import BackendUnavailable, KVStoreError, SharedMemoryRefused
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
 
@@ -180,7 +181,7 @@ class KVStoreClient:
             offset = arena.allocate(raw.nbytes) if raw.nbytes else None
             if offset is not None:  # one copy into our shared memory; the sidecar copies it into its tier
                 try:
-                    np.copyto(arena.view(offset, raw.nbytes), np.frombuffer(raw, dtype=np.uint8))
+                    copy_all([(arena.view(offset, raw.nbytes), np.frombuffer(raw, dtype=np.uint8))])
                     body = codec.store_shm_body(model, tokens, dtype, start, (offset, raw.nbytes), salt)
                 except BaseException:
                     arena.release(offset, raw.nbytes)

@@ -24,6 +24,7 @@ import torch
 
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
+from kvstore.copy_threads import Copy, copy_all
 from kvstore.gpu.dtypes import NUMPY_DTYPES
 from kvstore.host_copy import copy_into
 from kvstore.host_memory import empty_host_bytes
@@ -107,7 +108,10 @@ class FetchPlan:
         stream = None
         promote_on_hit = state.config.promote_on_hit
         reads = self.reads
-        copied = 0  # the reads before this one are in the answer already
+        copied = 0  # the reads before this one are in the answer's copies already
+        # The raw pages' copies, made together once every page is planned (copy_threads.py
+        # splits a large answer between threads); the pages stay pinned until they are done.
+        uncopied: list[Copy] = []
         try:
             for i, (node, first, used, tier, slot) in enumerate(reads):
                 lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
@@ -115,7 +119,7 @@ class FetchPlan:
                 if tier in raw_buffers:  # a raw page in host memory (so `out_rows` is the answer's)
                     if i >= copied:
                         assert out_rows is not None
-                        copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes)
+                        copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes, uncopied)
                     page: torch.Tensor | Literal[True] | None = True
                 else:
                     whole = lo == first and used == node.num_tokens
@@ -142,9 +146,12 @@ class FetchPlan:
                         promote.append((node, out[:, :, a:b] if out_array is None else out_array[:, :, a:b]))
                     elif page is not None:  # decoded whole on its own
                         promote.append((node, page))
+            copy_all(uncopied)
+            uncopied = []
         finally:
             with state.lock:
-                for node, kv in promote:
+                # A fetch that failed before its copies ran has no answer to promote from.
+                for node, kv in promote if not uncopied else ():
                     tiers.promote(spec, node, kv)
                 self._unpin()
                 for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
@@ -183,11 +190,12 @@ class FetchPlan:
 
 
 def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.ndarray], out_rows: np.ndarray,
-                   row_bytes: int) -> int:
-    """Copy read `i`, a raw page in host memory, into the answer's rows (L * 2, T * row_bytes),
-    and with it, in the same numpy call, the whole pages after it that lie right after it in the
-    same buffer (a sequence stored at once usually does): -> the index of the first read not
-    copied. Slot ranges come from the plan: the pages are pinned."""
+                   row_bytes: int, copies: list[Copy]) -> int:
+    """The copy of read `i`, a raw page in host memory, into the answer's rows (L * 2, T *
+    row_bytes), and with it, as one (dst, src) pair, of the whole pages after it that lie right
+    after it in the same buffer (a sequence stored at once usually does), appended to `copies`
+    (`copy_all` runs them): -> the index of the first read not covered. Slot ranges come from
+    the plan: the pages are pinned."""
     node, first, used, tier, slot = reads[i]
     assert slot is not None, "a raw page is read from its slot"
     offset, size = slot
@@ -211,13 +219,13 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
             k = j - i
             # (k pages, rows, width) of the buffer, read row by row into the answer's rows, where
             # the k pages are k consecutive widths (a view: copy=False raises rather than copy).
-            np.copyto(out_rows[:, a * row_bytes:(a + k * n) * row_bytes].reshape(rows, k, page_width, copy=False),
-                      buffer[offset:end].reshape(k, rows, page_width).transpose(1, 0, 2))
+            copies.append((out_rows[:, a * row_bytes:(a + k * n) * row_bytes].reshape(rows, k, page_width, copy=False),
+                           buffer[offset:end].reshape(k, rows, page_width).transpose(1, 0, 2)))
             return j
     page_rows = buffer[offset:offset + rows * page_width].reshape(rows, page_width)  # a slot may be longer (aligned)
     if lo > first or used < n:  # part of the page: its tokens [lo - first, used)
         page_rows = page_rows[:, (lo - first) * row_bytes:used * row_bytes]
-    np.copyto(out_rows[:, a * row_bytes:(first + used - start) * row_bytes], page_rows)
+    copies.append((out_rows[:, a * row_bytes:(first + used - start) * row_bytes], page_rows))
     return j
 
 

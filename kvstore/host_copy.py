@@ -43,14 +43,6 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(BITS_DTYPES[t.element_size()]).numpy()
 
 
-def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src for two uint8 arrays of the same shape: a byte copy, nothing to cast. An
-    assignment, not np.copyto, whose dispatch and keyword parsing cost more than the rest of a
-    small copy's setup; a function of its own so that profilers see the copy (an assignment is
-    not a call)."""
-    dst[...] = src
-
-
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[...] = src for tensors of the same shape and dtype (any strides)."""
     if dst.is_cpu and src.is_cpu and dst.dtype == src.dtype \

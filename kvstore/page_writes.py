@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 
 from kvstore.config import ModelSpec
 from kvstore.errors import InsufficientStorage, StoreBusy
-from kvstore.host_copy import copy_bytes, host_array, host_bytes
+from kvstore.copy_threads import Copy, copy_all
+from kvstore.host_copy import host_array, host_bytes
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
 from kvstore.results import FetchResult, StoreResult
@@ -128,6 +128,7 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     rows = 2 * spec.num_layers
     row_token_bytes = token_bytes // rows
     kv_rows = None
+    copies: list[Copy] = []  # the raw pages' copies, made together (copy_threads.py)
     try:
         for node, tier, slot, s, e in writes:
             buffer = raw_buffers.get(tier)
@@ -136,21 +137,22 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
                 dst = buffer[offset:offset + (e - s) * token_bytes]
                 if kv_bytes is None:
                     assert kv_array is not None
-                    np.copyto(dst.view(kv_array.dtype).reshape(spec.kv_shape(e - s)),
-                              kv_array[:, :, s - start:e - start], casting="no")
+                    copies.append((dst.view(kv_array.dtype).reshape(spec.kv_shape(e - s)),
+                                   kv_array[:, :, s - start:e - start]))
                 elif s == start and e == n_tokens:  # the page is all of kv
-                    copy_bytes(dst, kv_bytes)
+                    copies.append((dst, kv_bytes))
                 else:
                     if kv_rows is None:
                         kv_rows = kv_bytes.reshape(rows, -1)
-                    copy_bytes(dst.reshape(rows, -1),
-                               kv_rows[:, (s - start) * row_token_bytes:(e - start) * row_token_bytes])
+                    copies.append((dst.reshape(rows, -1),
+                                   kv_rows[:, (s - start) * row_token_bytes:(e - start) * row_token_bytes]))
             else:
                 ticket = tiers.put_page(spec, node, tier, kv=kv[:, :, s - start:e - start], slot=slot)
                 assert ticket is not None, "a page with its room reserved is written"
                 durable.append(ticket)
             if shared is not None and tier != shared.name and shared.available:
                 shares.append((node, tiers.record(spec, node, shared.name, kv=kv[:, :, s - start:e - start])))
+        copy_all(copies)
         ok = True
     finally:
         with state.lock:

@@ -117,6 +117,7 @@ FILE_RULES = [
     ("tiers/cpu.py", "placement and policy bookkeeping"),
     ("tiers/base.py", "placement and policy bookkeeping"),
     ("kvstore/host_copy.py", "copy"),
+    ("kvstore/copy_threads.py", "copy"),
     ("kvstore/results.py", "tensor and result objects"),
     ("kvstore/host_memory.py", "tensor and result objects"),
     ("kvstore/codecs.py", "tensor and result objects"),

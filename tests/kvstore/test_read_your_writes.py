@@ -85,15 +85,15 @@ def test_a_store_that_must_not_wait_refuses_pages_in_flight_and_does_nothing(mak
     kv = _kv(tokens)
     copying, release = threading.Event(), threading.Event()
     writer_id: list[int] = []
-    real_copy = page_writes.copy_bytes
+    real_copy = page_writes.copy_all
 
-    def held_copy(dst, src):
+    def held_copy(copies):
         if threading.get_ident() in writer_id:
             copying.set()
             assert release.wait(30), "the test never released the writer"
-        real_copy(dst, src)
+        real_copy(copies)
 
-    monkeypatch.setattr(page_writes, "copy_bytes", held_copy)
+    monkeypatch.setattr(page_writes, "copy_all", held_copy)
     acknowledged: list[int] = []
 
     def write() -> None:
