@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
+import torch
 
 from kvstore.api import client_codec as codec
 from kvstore.api.client_arena import ClientArena
@@ -32,6 +33,7 @@ from kvstore.config import ModelSpec
 from kvstore.copy_threads import copy_all
 from kvstore.errors import BackendUnavailable, KVStoreError, SharedMemoryRefused
 from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
+from kvstore.validation import check_into
 
 DEFAULT_URL = "http://127.0.0.1:8100"
 DEFAULT_SHARED_MEMORY_BYTES = 256 << 20  # for a client of a sidecar on its own host
@@ -103,8 +105,14 @@ class KVStoreClient:
         return codec.lookup_result(self._call("POST", "/v1/lookup", [codec.tokens_body(model, tokens, salt=salt)]))
 
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-              salt: str | None = None, device: str = "cpu") -> FetchResult:
+              salt: str | None = None, device: str = "cpu", into: Any = None) -> FetchResult:
+        """`into`, as `KVStore.fetch`'s: a flat uint8 CPU tensor that an answer coming over the
+        socket is received into when it holds the whole answer (its KV and a few hundred bytes of
+        fields; `kv` then views part of it), instead of fresh memory, whose page faults a
+        reused buffer does not pay. Through shared memory `kv` views the client's arena, where
+        the sidecar wrote it, and `into` is not used."""
         codec.check_tenant(tenant)
+        receive = None if into is None else check_into(into, torch.device("cpu")).numpy()
         arena, per_token = self._shared_memory(), self._bytes_per_token.get(model)
         sized = per_token and isinstance(start, int) and hasattr(tokens, "__len__")
         wanted = (len(tokens) - start) * per_token if sized else 0
@@ -131,7 +139,7 @@ class KVStoreClient:
                                              f"asked for ({offset}, {wanted})")
                 raw = arena.adopt(offset, wanted, placed["nbytes"], lambda array: codec.kv_array(array, obj))
                 return self._fetch_result(model, obj, device, raw=raw)
-        answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start, salt=salt)])
+        answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start, salt=salt)], into=receive)
         return self._fetch_result(model, answer, device)
 
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
@@ -252,7 +260,7 @@ class KVStoreClient:
     def _head(self, method: str, path: str, length: int) -> bytes:
         return f"{method} {path} HTTP/1.1\r\n{self._head_lines}Content-Length: {length}\r\n\r\n".encode()
 
-    def _call(self, method: str, path: str, parts: codec.Parts | None = None) -> Any:
+    def _call(self, method: str, path: str, parts: codec.Parts | None = None, into: np.ndarray | None = None) -> Any:
         parts = parts or []
         body_bytes = sum(memoryview(p).nbytes for p in parts)
         head = self._head(method, path, body_bytes)
@@ -260,7 +268,7 @@ class KVStoreClient:
         try:
             conn = self._take()
             try:
-                status, ctype, body = conn.request(head, parts, body_bytes=body_bytes)
+                status, ctype, body = conn.request(head, parts, body_bytes=body_bytes, into=into)
             except (ConnectionError, ProtocolError):
                 # A kept-alive connection the server has since closed: retry once on a fresh one
                 # (every route is idempotent: storing the same pages again changes nothing).
@@ -268,7 +276,7 @@ class KVStoreClient:
                 if not conn.served:
                     raise
                 conn = self._new()
-                status, ctype, body = conn.request(head, parts, body_bytes=body_bytes)
+                status, ctype, body = conn.request(head, parts, body_bytes=body_bytes, into=into)
         except OSError as exc:  # refused, reset, timed out, garbled
             if conn is not None:
                 conn.close()
@@ -333,8 +341,9 @@ class AsyncKVStoreClient:
         return await self._run(self._client.lookup, model, tokens, tenant=tenant, salt=salt)
 
     async def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-                    salt: str | None = None, device: str = "cpu") -> FetchResult:
-        return await self._run(self._client.fetch, model, tokens, start=start, tenant=tenant, salt=salt, device=device)
+                    salt: str | None = None, device: str = "cpu", into: Any = None) -> FetchResult:
+        return await self._run(self._client.fetch, model, tokens, start=start, tenant=tenant, salt=salt, device=device,
+                               into=into)
 
     async def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
                     tenant: str | None = None, salt: str | None = None) -> StoreResult:

@@ -19,6 +19,8 @@ import socket
 import struct
 from typing import Any, Sequence
 
+import numpy as np
+
 from kvstore.host_memory import empty_host_bytes
 
 _MAX_HEAD_BYTES = 64 << 10  # a whole answer head; the sidecar's are far smaller
@@ -61,12 +63,13 @@ class Connection:
             self.closed = True
             self.sock.close()
 
-    def request(self, head: bytes, parts: Sequence[Any], *,
-                body_bytes: int | None = None) -> tuple[int, str, bytes | bytearray | memoryview]:
+    def request(self, head: bytes, parts: Sequence[Any], *, body_bytes: int | None = None,
+                into: np.ndarray | None = None) -> tuple[int, str, bytes | bytearray | memoryview]:
         """Send `head` (request line and headers, blank line included) then `parts` (of
         `body_bytes` bytes together, when the caller knows); read the answer -> (status, content
-        type, body). TimeoutError when a send or a receive waits longer than the connection's
-        timeout."""
+        type, body). `into`: a flat uint8 array a large answer body is received into when it
+        fits (the body then views its first bytes), instead of fresh memory. TimeoutError when a
+        send or a receive waits longer than the connection's timeout."""
         if body_bytes is None:
             body_bytes = sum(memoryview(p).nbytes for p in parts)
         delimited_by_close = False
@@ -79,7 +82,7 @@ class Connection:
                 length = headers["content-length"]
                 if not length.isdigit():
                     raise ProtocolError(f"bad Content-Length {length[:40]!r}")
-                body = self._read_exact(int(length))
+                body = self._read_exact(int(length), into)
             else:  # delimited by close
                 body = self._read_to_close()
                 delimited_by_close = True
@@ -151,16 +154,16 @@ class Connection:
             self._fill()
         return self._take(newline + 1 - self._pos)
 
-    def _read_exact(self, nbytes: int) -> bytes | memoryview:
+    def _read_exact(self, nbytes: int, into: np.ndarray | None = None) -> bytes | memoryview:
         if nbytes <= _SMALL_BODY_BYTES:  # an answer without kv (or a shared-memory one): usually here already
             while self._end - self._pos < nbytes:
                 self._fill()
             return self._take(nbytes)
-        # A large body is always its own writable buffer (its kv is viewed in place, as a tensor).
+        # A large body is always its own writable buffer (its kv is viewed in place, as a tensor):
+        # the caller's, which it reuses, or new memory. New memory is unzeroed and in huge pages,
+        # yet the kernel still clears every page at its first write, which a reused buffer skips.
         buffered = self._end - self._pos
-        # Unzeroed (and in huge pages when large): a zero-filled bytearray page-faulted once per
-        # 4 KiB before the first byte arrived, a third of a 2 MiB fetch's time on loopback.
-        view = empty_host_bytes(nbytes).data
+        view = into[:nbytes].data if into is not None and into.nbytes >= nbytes else empty_host_bytes(nbytes).data
         view[:buffered] = self._view[self._pos:self._end]
         self._pos = self._end = 0
         got = buffered

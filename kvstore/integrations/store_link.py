@@ -170,10 +170,10 @@ class StoreLink:
               into: Any = None) -> tuple[int, Any]:
         """(matched tokens, kv (L, 2, matched - start, H, D)) of `tokens`; (0, None) on failure.
         Anything but KV of the spec's shape and dtype is a failure: it would be wrong tokens.
-        `into` (a flat uint8 CPU tensor): where an in-process store writes the answer when it
-        fits (kv then views it); a sidecar's answer lands in the client's shared memory instead."""
-        into_kw = {} if self._store is None else {"into": into}  # the client takes no `into`
-        result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt, **into_kw))
+        `into` (a flat uint8 CPU tensor): where an in-process store writes the answer, or a
+        sidecar's answer over TCP is received, when it fits (kv then views it); through shared
+        memory the answer lands in the client's arena instead."""
+        result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt, into=into))
         return self._checked(result, tokens, start)
 
     def fetch_in_place(self, tokens: Sequence[int], start: int, salt: str | None,

@@ -46,6 +46,9 @@ from kvstore.pinned_fetch import PinnedFetch
 # last dim, in either physical order (NHD or HND): checked in their forward() of vLLM 0.32.
 CONTENT_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER")
 CPU_BACKEND = "CPU_ATTN"
+# A sidecar's fetch answer over TCP is received whole (its fields, a few hundred bytes, then the
+# KV) into a load's staging buffer: room for the fields on top of the KV.
+ANSWER_FIELDS_BYTES = 4096
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 log = logging.getLogger("kvstore.vllm")
 
@@ -113,9 +116,10 @@ class WorkerSide:
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
-        # Per position in a step's loads, the buffer an in-process store answers into: a step's
-        # answers are consumed within it, and a reused buffer costs no page faults (a fresh one
-        # of a long prompt's KV does, on every hit).
+        # Per position in a step's loads, the buffer an in-process store answers into, or a
+        # sidecar's answer over TCP is received into: a step's answers are consumed within it,
+        # and a reused buffer costs no page faults (a fresh one of a long prompt's KV does, on
+        # every hit, in the kernel clearing each page).
         self._staging: list[torch.Tensor] = []
         self._save_arena = torch.empty(0)  # where the step's saves gather their blocks (_new_saves)
         self._async_loads: dict[str, Future] = {}  # req id -> its load's blocks that failed
@@ -173,9 +177,9 @@ class WorkerSide:
 
     def _staging_for(self, position: int, spec: LoadSpec) -> torch.Tensor | None:
         """The staging buffer of the step's `position`-th load, grown to fit `spec`'s answer."""
-        if self.link is None or self.link.in_process_store is None or not next(iter(self.layers.values())).is_cpu:
+        if self.link is None or not next(iter(self.layers.values())).is_cpu:
             return None
-        nbytes = (len(spec.tokens) - spec.start) * self.spec.bytes_per_token
+        nbytes = (len(spec.tokens) - spec.start) * self.spec.bytes_per_token + ANSWER_FIELDS_BYTES
         while len(self._staging) <= position:
             self._staging.append(torch.empty(0, dtype=torch.uint8))
         if self._staging[position].numel() < nbytes:

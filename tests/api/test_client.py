@@ -12,7 +12,8 @@ from api_helpers import random_kv
 from kvstore.api.client import AsyncKVStoreClient, KVStoreClient
 from kvstore import ModelSpec
 from kvstore.backend import KVCacheBackend
-from kvstore.errors import BackendUnavailable, InvalidKV, InvalidStart, InvalidTokens, ModelConflict, ModelNotFound
+from kvstore.errors import (BackendUnavailable, InvalidKV, InvalidRequest, InvalidStart, InvalidTokens, ModelConflict,
+                            ModelNotFound)
 from kvstore.results import FetchResult, LookupResult, StoreResult
 
 
@@ -55,6 +56,33 @@ def test_every_kv_dtype_comes_back_bit_exact_and_shaped(live_server, dtype: str,
             assert arena.free_bytes() == held and torch.equal(kept, kv[0, :, 3:])
             del kept
             assert arena.free_bytes() > held
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+def test_fetch_into_a_reused_buffer_receives_the_kv_there_over_tcp(live_server, shared_memory: bool):
+    # Over TCP a large answer lands in the caller's buffer (no fresh memory to fault in); through
+    # shared memory it lands in the arena. Either way the KV is the stored KV, every time.
+    spec = ModelSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float32", page_size=16)
+    kv = random_kv(spec, 64, seed=11)  # 512 KiB: a large body
+    with KVStoreClient(live_server.url, shared_memory_bytes=None if shared_memory else 0) as client:
+        client.register_model("m", spec)
+        client.store("m", list(range(64)), kv)
+        client.fetch("m", list(range(64)))  # teaches the client the model's bytes per token (shared memory)
+        into = torch.zeros(kv.numel() * 4 + 4096, dtype=torch.uint8)
+        lo, hi = into.data_ptr(), into.data_ptr() + into.numel()
+        for start in (0, 16, 0):
+            fetched = client.fetch("m", list(range(64)), start=start, into=into)
+            assert fetched.matched_tokens == 64 and torch.equal(fetched.kv, kv[:, :, start:])
+            assert (lo <= fetched.kv.data_ptr() < hi) == (not shared_memory)
+        too_small = torch.zeros(kv.numel() * 4 // 2, dtype=torch.uint8)  # a fresh buffer instead
+        fetched = client.fetch("m", list(range(64)), into=too_small)
+        assert torch.equal(fetched.kv, kv) and not too_small.data_ptr() <= fetched.kv.data_ptr() < \
+            too_small.data_ptr() + too_small.numel()
+        assert not too_small.any()
+        with pytest.raises(InvalidRequest, match="into: expected a flat contiguous uint8 tensor"):
+            client.fetch("m", list(range(64)), into=torch.zeros(8, dtype=torch.float32))
+        with pytest.raises(InvalidRequest, match="into"):
+            client.fetch("m", list(range(64)), into=bytearray(1 << 20))
 
 
 def test_sync_client_extends_with_start_and_reuses_its_connection(live_server, spec: ModelSpec):
