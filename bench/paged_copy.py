@@ -15,6 +15,8 @@ arrangement, probed from its cache-write op as the connector does at start. Rows
   connector does, kvstore/integrations/paged_layout.py BackendWrittenLayout);
 - scatter, writer per offset: the same op reading the pages where they lie, one call per token
   offset within a page (no join; tried, not used);
+- scatter, writer from an answer: the same op reading each layer of one contiguous (L, 2, T, H, D)
+  answer (what a sidecar's fetch into shared memory hands over): the writer alone, no join;
 - gather: the blocks copied out into the store's layout (a miss's save).
 
 Needs vLLM's CPU build; every figure is the best of `--repeats`, ratios within one run.
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     written = BackendWrittenLayout(reader, write)
     print(f"CPU backend ISA {args.isa}: blocks {reader.name}, {torch.get_num_threads()} torch threads")
     print(f"{'tokens':>7} {'MB':>5} {'memcpy ms':>10} {'strided ms':>11} {'writer ms':>10} {'offsets ms':>11} "
-          f"{'gather ms':>10}  / memcpy: strided writer offsets gather")
+          f"{'answer ms':>10} {'gather ms':>10}  / memcpy: strided writer offsets answer gather")
     results = []
     for T in args.tokens:
         n = T // BLOCK
@@ -126,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 for i in range(LAYERS)], args.repeats)
         if not all(map(torch.equal, written_blocks, pool)):
             sys.exit("the per-offset writer wrote different blocks")
+        answer = pages.permute(1, 2, 0, 3, 4, 5).reshape(LAYERS, 2, T, HEADS, HEAD_DIM).contiguous()
+        for layer in pool:
+            layer.zero_()
+        row["answer_ms"] = best_ms(lambda: [written.scatter(pool[i], block_ids, answer[i]) for i in range(LAYERS)],
+                                   args.repeats)
+        if not all(map(torch.equal, written_blocks, pool)):
+            sys.exit("the writer from an answer wrote different blocks")
         row["gather_ms"] = best_ms(lambda: [written.gather(pool[i], block_ids, out=saved[i]) for i in range(LAYERS)],
                                    args.repeats)
         if not torch.equal(saved.view(LAYERS, 2, T // PAGE, PAGE, HEADS, HEAD_DIM).permute(2, 0, 1, 3, 4, 5), pages):
@@ -133,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         strided = row.get("strided_ms", float("nan"))
         memcpy = row["memcpy_ms"]
         print(f"{T:>7} {row['mb']:>5.0f} {memcpy:>10.1f} {strided:>11.1f} {row['writer_ms']:>10.1f} "
-              f"{row['per_offset_ms']:>11.1f} {row['gather_ms']:>10.1f}  {strided / memcpy:>15.2f} "
-              f"{row['writer_ms'] / memcpy:.2f} {row['per_offset_ms'] / memcpy:.2f} {row['gather_ms'] / memcpy:.2f}")
+              f"{row['per_offset_ms']:>11.1f} {row['answer_ms']:>10.1f} {row['gather_ms']:>10.1f}  "
+              f"{strided / memcpy:>15.2f} {row['writer_ms'] / memcpy:.2f} {row['per_offset_ms'] / memcpy:.2f} "
+              f"{row['answer_ms'] / memcpy:.2f} {row['gather_ms'] / memcpy:.2f}")
         results.append(row)
     if args.json:
         with open(args.json, "w") as f:
