@@ -50,13 +50,8 @@ def copy_all(copies: Sequence[Copy]) -> None:
     they add up to PARALLEL_COPY_BYTES or more, split into parts of about PART_BYTES (along each
     array's first axis) that the copy threads share. Raises the first part's error, after every
     part taken has finished (no thread still writes when this returns)."""
-    total = sum(dst.nbytes for dst, _ in copies)
-    helpers = copy_threads() if total >= PARALLEL_COPY_BYTES else 0
-    if helpers == 0:
-        for dst, src in copies:
-            dst[...] = src
-        return
-    parts = [part for copy in copies for part in _split(*copy)]
+    helpers = copy_threads() if sum(dst.nbytes for dst, _ in copies) >= PARALLEL_COPY_BYTES else 0
+    parts = [part for copy in copies for part in _split(*copy)] if helpers else copies
     helpers = min(helpers, len(parts) - 1)
     if helpers <= 0:
         for dst, src in parts:
