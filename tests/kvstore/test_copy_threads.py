@@ -3,7 +3,6 @@ threads do (a helper that never runs, a part that fails, a forked child)."""
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -79,8 +78,7 @@ def test_a_failing_part_raises_after_every_started_part_is_done(two_helpers, mon
     bad_out = np.zeros((4, 4, 1 << 20), dtype=np.uint8).view(Refusing)
     with pytest.raises(OSError, match="refused a part"):
         copy_all([(good_out, good_src), (bad_out, good_src)])
-    assert threading.active_count() >= 1  # nothing hangs; the pool is still usable
-    again = np.zeros_like(good_src)
+    again = np.zeros_like(good_src)  # the pool is still usable after a failed batch
     copy_all([(again, good_src)])
     assert np.array_equal(again, good_src)
 
