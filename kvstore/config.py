@@ -187,6 +187,11 @@ class StoreConfig:
     redis_timeout_s: float = 0.5
     redis_ttl_s: int | None = None
     disk_writer_queue: int = 256
+    # Pages written in parts (tensor-parallel ranks each storing their KV heads,
+    # kvstore/page_parts.py): how long a page waits for its other parts before it is given up,
+    # and how much memory the pages waiting may hold.
+    part_timeout_s: float = 30.0
+    part_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes"):
@@ -214,6 +219,10 @@ class StoreConfig:
             raise ValueError(f"redis_timeout_s: must be in (0, 60], got {self.redis_timeout_s!r}")
         if self.redis_ttl_s is not None:
             check_int("redis_ttl_s", self.redis_ttl_s, 1)
+        if isinstance(self.part_timeout_s, bool) or not isinstance(self.part_timeout_s, (int, float)) \
+                or not 0 < self.part_timeout_s <= 3600:
+            raise ValueError(f"part_timeout_s: must be in (0, 3600] seconds, got {self.part_timeout_s!r}")
+        check_int("part_bytes", self.part_bytes, 0)
 
     @property
     def tier_names(self) -> tuple[str, ...]:

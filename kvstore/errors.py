@@ -74,6 +74,14 @@ class ModelConflict(KVStoreError):
     status = 409
 
 
+class PartConflict(KVStoreError):
+    """A part of a page (`heads` / `layers`) overlaps a different part another writer already
+    wrote: two writers split the page's KV differently (kvstore/page_parts.py)."""
+
+    code = "part_conflict"
+    status = 409
+
+
 class RequestTimeout(KVStoreError):
     """The request body did not arrive within the server's body timeout (a slow or stalled client)."""
 

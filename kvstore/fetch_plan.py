@@ -29,6 +29,7 @@ from kvstore.gpu.dtypes import NUMPY_DTYPES
 from kvstore.host_copy import copy_into
 from kvstore.host_memory import empty_host_bytes
 from kvstore.index import TOKEN_BYTES, Node
+from kvstore.page_slice import WHOLE, PageSlice
 from kvstore.results import FetchResult
 from kvstore.store_state import StoreState, empty_kv
 from kvstore.tiers.base import PageRecord, Slot
@@ -45,12 +46,14 @@ class FetchPlan:
     """The pages one fetch reads, pinned. `run` it once, or `release` it."""
 
     __slots__ = ("state", "spec", "start", "dev", "into", "count", "path", "reads", "matched_tokens",
-                 "needs_io", "nbytes", "_unclaimed")
+                 "needs_io", "nbytes", "part", "_unclaimed")
 
     def __init__(self, state: StoreState, spec: ModelSpec, start: int, dev: torch.device, into: torch.Tensor | None,
-                 count: bool, path: list[Node], reads: list[Read], matched_tokens: int, needs_io: bool):
+                 count: bool, path: list[Node], reads: list[Read], matched_tokens: int, needs_io: bool,
+                 part: PageSlice = WHOLE):
         self.state = state
         self.spec = spec
+        self.part = part  # the layers and KV heads the answer holds (a tensor-parallel rank's)
         self.start = start
         self.dev = dev
         self.into = into  # where the answer goes when it fits (a client's shared memory)
@@ -59,7 +62,7 @@ class FetchPlan:
         self.reads = reads  # the pages the answer is read from (those past `start`)
         self.matched_tokens = matched_tokens
         self.needs_io = needs_io  # a page is read from a record tier (disk, Redis): running the plan waits on I/O
-        self.nbytes = max(0, matched_tokens - start) * spec.bytes_per_token  # the answer's size
+        self.nbytes = max(0, matched_tokens - start) * part.bytes_per_token(spec)  # the answer's size
         # One token, taken by whichever of run and release comes first: list.pop is atomic, and
         # a lock per plan costs more than the rest of a small fetch's bookkeeping.
         self._unclaimed = [True]
@@ -73,18 +76,18 @@ class FetchPlan:
         copy turned out lost). Unpins the pages, also when reading fails."""
         if not self._claim():
             raise RuntimeError("fetch plan: already run or released (a plan runs once)")
-        state, spec, start, dev = self.state, self.spec, self.start, self.dev
+        state, spec, start, dev, part = self.state, self.spec, self.start, self.dev, self.part
         matched = self.matched_tokens
         if matched <= start:
-            return FetchResult(matched, empty_kv(spec, dev))
-        shape, dtype = spec.kv_shape(matched - start), TORCH_DTYPES[spec.dtype]
+            return FetchResult(matched, empty_kv(spec, dev, part))
+        shape, dtype = part.kv_shape(spec, matched - start), TORCH_DTYPES[spec.dtype]
         # The answer, (L, 2, T, H, D): on the host, a numpy array and the torch tensor over the
         # same memory, for pages a codec decodes and for the caller. Raw pages are copied into it
         # as bytes (a numpy view costs a fraction of a torch one): the answer as (L * 2) rows of
         # T tokens' bytes, where a page's slot, (L * 2) rows of its n tokens' bytes, is one
         # column range (`copy_raw_pages`).
-        rows = spec.num_layers * 2
-        row_bytes = spec.bytes_per_token // rows  # one token's bytes in one (layer, K or V) row
+        rows = shape[0] * 2
+        row_bytes = part.bytes_per_token(spec) // rows  # one token's bytes in one (layer, K or V) row
         out_array: np.ndarray | None = None
         out_rows: np.ndarray | None = None
         tiers = state.tiers
@@ -119,16 +122,19 @@ class FetchPlan:
                 if tier in raw_buffers:  # a raw page in host memory (so `out_rows` is the answer's)
                     if i >= copied:
                         assert out_rows is not None
-                        copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes, uncopied)
+                        copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes, uncopied) \
+                            if part.whole else copy_raw_slices(reads, i, start, raw_buffers, out_rows, spec, part,
+                                                               uncopied)
                     page: torch.Tensor | Literal[True] | None = True
                 else:
-                    whole = lo == first and used == node.num_tokens
+                    # A slice is taken from the page decoded whole (a codec decodes whole pages).
+                    whole = lo == first and used == node.num_tokens and part.whole
                     record = None
                     if slot is None:
                         if node.key not in records:
                             if stream is None:  # payloads land in the answer where they can
-                                stream = tiers.record_batches(self.reads, spec, out if out_array is None else out_array,
-                                                              start)
+                                stream = tiers.record_batches(self.reads, spec, None if not part.whole else
+                                                              out if out_array is None else out_array, start)
                             records = next(stream, {})
                         record = records.pop(node.key, None)
                     if record is not None and record.payload.__class__ is Landing:
@@ -140,9 +146,9 @@ class FetchPlan:
                         matched = first
                         break
                     if page is not True:
-                        copy_into(out[:, :, a:b], page[:, :, lo - first:used])
-                if tier != top and promote_on_hit and lo == first:
-                    if page is True:  # in the answer: a raw host top tier takes its numpy view with one copy
+                        copy_into(out[:, :, a:b], part.take(page)[:, :, lo - first:used])
+                if tier != top and promote_on_hit and lo == first and (part.whole or page is not True):
+                    if page is True:  # in the answer (whole): a raw host top tier takes its numpy view with one copy
                         promote.append((node, out[:, :, a:b] if out_array is None else out_array[:, :, a:b]))
                     elif page is not None:  # decoded whole on its own
                         promote.append((node, page))
@@ -161,7 +167,7 @@ class FetchPlan:
                 if self.count:
                     state.counters["fetched_tokens"] += max(0, matched - start)
         if matched <= start:
-            return FetchResult(matched, empty_kv(spec, dev))
+            return FetchResult(matched, empty_kv(spec, dev, part))
         return FetchResult(matched, out if matched == self.matched_tokens else out[:, :, :matched - start])
 
     def release(self) -> None:
@@ -229,8 +235,47 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
     return j
 
 
+def copy_raw_slices(reads: list[Read], i: int, start: int, buffers: dict[str, np.ndarray], out_rows: np.ndarray,
+                    spec: ModelSpec, part: PageSlice, copies: list[Copy]) -> int:
+    """`copy_raw_pages` for a slice of the pages (a tensor-parallel rank's KV heads, a pipeline
+    stage's layers): read `i` and the whole pages after it that lie right after it in the same
+    buffer, as one strided copy from the slots straight into the answer's rows, which hold the
+    slice's rows of (T, heads, D) -> the index of the first read not covered."""
+    node, first, used, tier, slot = reads[i]
+    assert slot is not None, "a raw page is read from its slot"
+    offset, size = slot
+    n = len(node.tokens) // TOKEN_BYTES
+    (l0, l1), (h0, h1) = part.layer_range(spec), part.head_range(spec)
+    head_bytes = spec.head_dim * spec.itemsize
+    all_rows, H = 2 * spec.num_layers, spec.num_kv_heads
+    page_bytes = all_rows * n * H * head_bytes
+    buffer = buffers[tier]
+    lo = first if first >= start else start
+    a = lo - start
+    j = i + 1
+    k = 1
+    if lo == first and used == n:  # whole: the whole pages of the same size at the next offsets join it
+        end = offset + page_bytes
+        while j < len(reads):
+            _, _, next_used, next_tier, next_slot = reads[j]
+            if next_tier != tier or next_slot is None or next_slot[0] != end or next_slot[1] != size \
+                    or next_used != n or size != page_bytes:
+                break
+            end += page_bytes
+            j += 1
+        k = j - i
+    # The k pages' slots as (k, rows, n, H, D bytes); their slice, rows first, into the answer.
+    pages = buffer[offset:offset + k * page_bytes].reshape(k, all_rows, n, H, head_bytes)
+    src = pages[:, 2 * l0:2 * l1, lo - first:used, h0:h1].transpose(1, 0, 2, 3, 4)
+    rows, t = src.shape[0], src.shape[2]
+    dst = out_rows.reshape(rows, -1, h1 - h0, head_bytes)[:, a:a + k * t].reshape(rows, k, t, h1 - h0, head_bytes,
+                                                                                   copy=False)
+    copies.append((dst, src))
+    return j
+
+
 def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, start: int, dev: torch.device, *,
-               count: bool = True, into: torch.Tensor | None = None) -> FetchPlan:
+               count: bool = True, into: torch.Tensor | None = None, part: PageSlice = WHOLE) -> FetchPlan:
     """The plan of a fetch of `tb` (int32 LE token bytes) from token `start`, made under the lock."""
     with state.lock:
         state.drain_lost_copies()
@@ -242,7 +287,7 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
             state.counters["requested_tokens"] += requested
         state.count_misses(match.path, requested > match.matched_tokens)
         if match.matched_tokens <= start:
-            return FetchPlan(state, spec, start, dev, into, count, [], [], match.matched_tokens, False)
+            return FetchPlan(state, spec, start, dev, into, count, [], [], match.matched_tokens, False, part)
         clock = state.tick()
         reads: list[Read] = []
         needs_io = False
@@ -265,4 +310,4 @@ def plan_fetch(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, s
                     needs_io = True
                 reads.append((node, offset, used, tier, slot))
             offset += used
-        return FetchPlan(state, spec, start, dev, into, count, path, reads, matched, needs_io)
+        return FetchPlan(state, spec, start, dev, into, count, path, reads, matched, needs_io, part)

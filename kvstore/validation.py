@@ -19,6 +19,7 @@ from kvstore.config import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidRequest, InvalidStart, InvalidTokens
 from kvstore.index import TOKEN_BYTES
 from kvstore.limits import MAX_SALT_BYTES
+from kvstore.page_slice import WHOLE, PageSlice
 from kvstore.keys import MAX_TOKEN_ID
 
 _INT32_LE = np.dtype("<i4")
@@ -143,8 +144,9 @@ def check_start(start: Any, num_tokens: int) -> int:
     return start
 
 
-def check_kv(kv: Any, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
-    """`kv` as a torch tensor of shape (L, 2, num_tokens, H, D) in the spec's dtype."""
+def check_kv(kv: Any, spec: ModelSpec, num_tokens: int, part: PageSlice = WHOLE) -> torch.Tensor:
+    """`kv` as a torch tensor of shape (L, 2, num_tokens, H, D) in the spec's dtype (of `part`'s
+    layers and heads only, for a part)."""
     if not isinstance(kv, torch.Tensor):
         if hasattr(kv, "__array_interface__"):
             try:
@@ -156,10 +158,11 @@ def check_kv(kv: Any, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
     if kv.dtype is not TORCH_DTYPES[spec.dtype]:  # torch dtypes are singletons
         raise InvalidKV(f"kv: dtype must be {spec.dtype} (the model's), got {str(kv.dtype).removeprefix('torch.')}",
                         field="kv")
-    want = spec.kv_shape(num_tokens)
+    want = part.kv_shape(spec, num_tokens)
     if kv.shape != want:  # a torch.Size is a tuple
-        raise InvalidKV(f"kv: shape must be (L, 2, T, H, D) = {want} for {num_tokens} tokens, got {tuple(kv.shape)}",
-                        field="kv")
+        what = "" if part.whole else f" (layers {part.layer_range(spec)}, heads {part.head_range(spec)})"
+        raise InvalidKV(f"kv: shape must be (L, 2, T, H, D) = {want} for {num_tokens} tokens{what}, "
+                        f"got {tuple(kv.shape)}", field="kv")
     return kv
 
 
