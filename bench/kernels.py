@@ -25,7 +25,7 @@ from kvstore.gpu import runtime  # noqa: E402
 from kvstore.gpu.paged import gather_pages, scatter_pages  # noqa: E402
 from kvstore.gpu.quant import dequantize, dequantize_ref, quantize, quantize_ref  # noqa: E402
 from kvstore.gpu.rope import rope_rerotate, rope_rerotate_ref  # noqa: E402
-from kvstore.codecs import get_codec  # noqa: E402
+from kvstore.codecs import as_kv, get_codec  # noqa: E402
 from kvstore.config import ModelSpec  # noqa: E402
 
 H, D, P = 8, 128, 16
@@ -144,8 +144,8 @@ def _pcie(spec: ModelSpec, n: int, record: Callable[..., None], int8: Any) -> No
 
     def promote() -> None:
         for i, key in enumerate(keys):
-            tier.copy_in(key, spec, spec.page_size, int8, host[i])
-        tier.stream.synchronize()
+            int8.decode(spec, host[i], spec.page_size, as_kv(spec, tier.view(tier.get(key), pb), spec.page_size))
+        torch.cuda.synchronize()
 
     def plain_down() -> None:
         for i, key in enumerate(keys):

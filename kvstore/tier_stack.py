@@ -296,14 +296,20 @@ class TierStack:
             return False
         n = node.num_tokens
         source, target = self.slot_tiers.get(src), self.slot_tiers.get(dst)
-        if source is not None and source.encodes_on_device and target is not None:
-            # Quantize on the device (when the lower tier's codec asks for it) before the
-            # device->host copy: only the compact bytes cross PCIe.
+        if source is not None and source.encodes_on_device:
+            # Encode on the device (quantizing there when the lower tier's codec asks for it),
+            # then copy to the host: only the compact bytes cross PCIe, and a record tier gets
+            # host bytes (its writer reads a payload in place; device memory it cannot).
+            codec = self.codecs[dst]
+            nbytes = codec.encoded_bytes(spec, n)
+            if target is None:
+                payload = torch.empty(nbytes, dtype=torch.uint8)
+                source.copy_out(node.key, spec, n, codec, payload).synchronize()
+                return self.put_page(spec, node, dst, payload=payload) is not None
             slot = self.allocate(dst, node.key, self.size_in(node, dst))
             if slot is None:
                 return False
-            codec = self.codecs[dst]
-            source.copy_out(node.key, spec, n, codec, target.view(slot, codec.encoded_bytes(spec, n))).synchronize()
+            source.copy_out(node.key, spec, n, codec, target.view(slot, nbytes)).synchronize()
             return True
         if source is not None:
             held = source.get(node.key)

@@ -1,16 +1,18 @@
-"""GPU tier: one preallocated CUDA buffer carved into page slots, plus the two copies that cross
-PCIe (demotion to a host slot, promotion from one), run on the tier's own CUDA stream so they
-overlap the engine's compute on the default stream.
+"""GPU tier: one preallocated CUDA buffer carved into page slots, plus demotion's copy across
+PCIe (`copy_out`, to host memory), run on the tier's own CUDA stream so it overlaps the engine's
+compute on the default stream.
 
 Slots work like the CPU tier's: sized by class (rounded up to `SLOT_ALIGN_BYTES`), a deleted slot
 is reused by the next page of its size, fresh slots are cut from the buffer's untouched end.
 Pages here are raw KV (codec `none`): the store encodes into the slot `allocate` returns and
 decodes from the one `get` returns (through `view`), on the caller's current stream.
 
-The tier knows nothing of policy. `copy_out` / `copy_in` take the destination/source tier's codec
-because quantizing *before* the device->host copy is what halves the PCIe bytes (int8) — the
-store decides when to call them. This module imports without CUDA or CuPy; constructing a tier
-on a machine without a usable GPU raises `GPUUnavailable`.
+The tier knows nothing of policy. `copy_out` takes the lower tier's codec because quantizing
+*before* the device->host copy is what halves the PCIe bytes (int8); the store decides when to
+call it, and hands a record tier (disk, Redis) the host bytes it made. Promotion needs nothing
+of the tier: the store decodes a hit into a slot `allocate` returns, as it does a new page.
+This module imports without CUDA or CuPy; constructing a tier on a machine without a usable GPU
+raises `GPUUnavailable`.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ class GPUTier(SlotBufferTier):
         self._pending.clear()
         super().close()
 
-    # -- copies across PCIe, on self.stream ------------------------------------------------------
+    # -- demotion across PCIe, on self.stream ----------------------------------------------------
     def _page(self, key: bytes, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
         slot = self._slots.get(key)
         if slot is None:
@@ -121,22 +123,6 @@ class GPUTier(SlotBufferTier):
             staged = torch.empty(codec.encoded_bytes(spec, num_tokens), dtype=torch.uint8, device=self.device)
             codec.encode(spec, kv, staged)
             dst.copy_(staged, non_blocking=dst.is_pinned())
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._pending[key] = event
-        return event
-
-    def copy_in(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec,
-                src: torch.Tensor) -> torch.cuda.Event:
-        """Promotion: copy `src` (host uint8 encoded by `codec`; pinned for an async copy) to this
-        GPU and decode it into slot `key`, which the caller allocated with
-        `spec.bytes_per_token * n` bytes. Keep `src` unchanged until the returned event completes;
-        `get(key)` makes the caller's stream wait for it."""
-        kv = self._page(key, spec, num_tokens)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            staged = src.to(self.device, non_blocking=src.is_pinned())  # (encoded_bytes,) compact bytes
-            codec.decode(spec, staged, num_tokens, kv)
             event = torch.cuda.Event()
             event.record(self.stream)
         self._pending[key] = event

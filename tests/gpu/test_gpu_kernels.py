@@ -140,15 +140,18 @@ def test_gpu_tier_slots_and_pcie_copies() -> None:
     expected = torch.empty_like(host)
     int8.encode(spec, kv, expected)
     assert torch.equal(host, expected)  # quantized on the device: half the bytes crossed
+    pageable = torch.empty(spec.page_bytes, dtype=torch.uint8)  # what a record tier (disk, Redis) gets
+    tier.copy_out(b"a", spec, 16, get_codec("none"), pageable).synchronize()
+    assert not pageable.is_cuda and torch.equal(pageable.view(torch.float16).view(kv.shape), kv)
     assert tier.delete(b"b") and not tier.delete(b"b")
-    tier.allocate(b"e", spec.page_bytes)
-    tier.copy_in(b"e", spec, 16, int8, host)
+    # Promotion as the store makes it: the hit's KV, decoded on the host, encoded into a new slot.
+    ref = torch.empty(spec.kv_shape(16), dtype=torch.float16)
+    int8.decode(spec, host, 16, ref)
+    get_codec("none").encode(spec, ref, tier.view(tier.allocate(b"e", spec.page_bytes), spec.page_bytes))
     back = torch.empty(spec.kv_shape(16), dtype=torch.float16)
     held = tier.get(b"e")
     assert held is not None and tier.get(b"b") is None
     get_codec("none").decode(spec, tier.view(held, spec.page_bytes), 16, back)
-    ref = torch.empty_like(back)
-    int8.decode(spec, host, 16, ref)
     assert torch.equal(back, ref)
     assert len(tier) == 3 and b"e" in tier
     tier.close()

@@ -1,50 +1,21 @@
 """The tier stack drives a slot tier outside host memory (the GPU's) through the tier interface
 alone: slots it reads and writes through `view` and the codecs, never numpy, and demotion through
-the tier's own `copy_out`. A stand-in for the GPU tier on the CPU (the same interface: no
-`buffer_array`, `encodes_on_device`) runs those paths on a machine without CUDA."""
+the tier's own `copy_out`. A stand-in for the GPU tier on the CPU (tests/tiers/off_host_tier.py:
+the same interface, and memory the host cannot read in place) runs those paths without CUDA."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kv_tensors import random_kv
+from off_host_tier import OffHostTier
 
 import kvstore.tier_stack
 from kvstore import KVStore, ModelSpec, StoreConfig
-from kvstore.codecs import Codec, as_kv, get_codec
+from kvstore.codecs import get_codec
 from kvstore.tiers.cpu import CPUTier
 from kvstore.tiers.disk import DiskTier
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
-
-
-class _Done:
-    def synchronize(self) -> None:
-        pass
-
-
-class OffHostTier(CPUTier):
-    """The GPU tier's interface on host memory the store may not see as numpy."""
-
-    name = "gpu"
-    encodes_on_device = True
-    made: list["OffHostTier"] = []  # every one built, so a test can ask it what it did
-
-    def __init__(self, capacity_bytes: int):
-        super().__init__(capacity_bytes, pin_memory=False)
-        self.buffer_array = None
-        self.copies_out = 0
-        OffHostTier.made.append(self)
-
-    @classmethod
-    def from_config(cls, config: StoreConfig) -> "OffHostTier | None":
-        return cls(config.gpu_bytes) if config.gpu_bytes else None
-
-    def copy_out(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec, dst: torch.Tensor) -> _Done:
-        slot = self.get(key)
-        assert slot is not None
-        codec.encode(spec, as_kv(spec, self.view(slot, spec.bytes_per_token * num_tokens), num_tokens), dst)
-        self.copies_out += 1
-        return _Done()
 
 
 @pytest.fixture
