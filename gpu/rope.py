@@ -29,6 +29,15 @@ _THREADS = 128
 _MAX_GRID_Y = 65535
 
 
+def kernel_names() -> set[str]:
+    """Every kernel of kernels.cu `rope_rerotate` may launch: one per KV dtype."""
+    return {_kernel(dtype) for dtype in KV_DTYPES.values()}
+
+
+def _kernel(dtype: torch.dtype) -> str:
+    return f"rope_rerotate_{KV_DTYPE_NAMES[dtype]}"
+
+
 class RopeScalingUnsupported(ValueError):
     """This rope_scaling makes the rotation depend on more than the position shift."""
 
@@ -161,7 +170,7 @@ def rope_rerotate(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, s
     blocks_x = (T * H + rpb - 1) // rpb
     for b0 in range(0, B, _MAX_GRID_Y):  # grid.y is limited; a (L, T, H, D) K never reaches it
         b1 = min(B, b0 + _MAX_GRID_Y)
-        runtime.launch(f"rope_rerotate_{KV_DTYPE_NAMES[k.dtype]}", k.device, (blocks_x, b1 - b0, 1), (tpr, rpb, 1),
+        runtime.launch(_kernel(k.dtype), k.device, (blocks_x, b1 - b0, 1), (tpr, rpb, 1),
                        (runtime.ptr(src[b0]), runtime.ptr(dst[b0]),
                         runtime.i64(src.stride(0)), runtime.i64(dst.stride(0)),
                         runtime.i32(T), runtime.i32(H), runtime.i32(D), runtime.ptr(cos), runtime.ptr(sin),

@@ -30,16 +30,40 @@ class KernelsUnavailable(RuntimeError):
     """The CUDA kernels cannot run here (no CUDA device, or CuPy missing)."""
 
 
+# The extra that installs the CuPy for each CUDA major version (pyproject.toml).
+CUPY_EXTRAS = {12: "gpu-cuda12", 13: "gpu"}
+
+
 def _import_cupy() -> ModuleType | None:
+    """CuPy, built for CUDA 12 (cupy-cuda12x) or 13 (cupy-cuda13x): both are the module `cupy`;
+    None, with `_cupy_error` saying why, where it cannot be imported or cannot run here."""
     global _cupy, _cupy_error
     if _cupy is None and _cupy_error is None:
         try:
-            import cupy  # noqa: PLC0415 - optional extra, kvstore[gpu]
-
-            _cupy = cupy
+            import cupy  # noqa: PLC0415 - optional extra, kvstore[gpu] or kvstore[gpu-cuda12]
         except Exception as exc:  # ImportError, or a CUDA library that fails to load
-            _cupy_error = f"CuPy is not importable ({type(exc).__name__}: {exc}); install kvstore[gpu]"
+            _cupy_error = (f"CuPy is not importable ({type(exc).__name__}: {exc}); install "
+                           f"{' or '.join(f'kvstore[{e}] (CUDA {v})' for v, e in sorted(CUPY_EXTRAS.items()))}")
+            return None
+        _cupy_error = cupy_unusable_reason(cupy)
+        if _cupy_error is None:
+            _cupy = cupy
     return _cupy
+
+
+def cupy_unusable_reason(cupy: ModuleType) -> str | None:
+    """Why an imported CuPy cannot run on this machine's driver (its CUDA is newer than the
+    driver runs), or None."""
+    try:
+        built = cupy.cuda.runtime.runtimeGetVersion() // 1000
+        driver = cupy.cuda.runtime.driverGetVersion() // 1000
+    except Exception as exc:
+        return f"CuPy cannot reach the CUDA driver ({type(exc).__name__}: {exc})"
+    if built > driver:
+        extra = CUPY_EXTRAS.get(driver)
+        fix = f"install kvstore[{extra}] instead" if extra else "update the NVIDIA driver"
+        return f"CuPy is built for CUDA {built}, but the driver runs CUDA {driver} at most: {fix}"
+    return None
 
 
 def kernels_unavailable_reason() -> str | None:
