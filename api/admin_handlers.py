@@ -36,6 +36,17 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(await run_blocking(request, request.app[STORE].stats))
 
 
+async def audit(request: web.Request) -> web.Response:
+    """An engine's audit of reused KV (kvstore/store_audit.py): counted; a failure drops the path."""
+    body = await _body(request)
+    wire.check_fields(body, ("model", "tokens", "passed", "tier"), ("layer", "salt"))
+    model, tokens = wire.model_name(body["model"]), wire.tokens(body["tokens"])
+    report = await run_blocking(request, request.app[STORE].report_audit, model, tokens, passed=body["passed"],
+                                tier=body["tier"], layer=body.get("layer"), tenant=tenant_of(request),
+                                salt=body.get("salt"))
+    return admin_wire.respond(request, {"dropped_pages": report.dropped_pages, "kept_pages": report.kept_pages})
+
+
 async def put_model(request: web.Request) -> web.Response:
     model = wire.model_name(request.match_info["model"], field="model (path)")
     spec = wire.model_spec(await _body(request))

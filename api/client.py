@@ -32,7 +32,7 @@ from kvstore.api.http1 import Connection, ProtocolError
 from kvstore.config import ModelSpec
 from kvstore.copy_threads import copy_all
 from kvstore.errors import BackendUnavailable, KVStoreError, SharedMemoryRefused
-from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
+from kvstore.results import AuditReport, BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.validation import check_into
 
 DEFAULT_URL = "http://127.0.0.1:8100"
@@ -157,6 +157,14 @@ class KVStoreClient:
         codec.check_tenant(tenant)
         body = codec.blend_body(model, chunks, start_pos, salt)
         return codec.blend_result(self._call("POST", "/v1/blend", [body]), device)
+
+    def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str, layer: int | None = None,
+                     tenant: str | None = None, salt: str | None = None) -> AuditReport:
+        codec.check_tenant(tenant)
+        fields = codec.with_salt({"model": model, "tokens": codec.tokens_bin(tokens), "passed": passed,
+                                  "tier": tier, "layer": layer}, salt)
+        answer = self._call("POST", "/v1/audit", [codec.small_body(fields)])
+        return AuditReport(int(answer["dropped_pages"]), int(answer["kept_pages"]))
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/v1/stats")
@@ -357,6 +365,12 @@ class AsyncKVStoreClient:
                     tenant: str | None = None, salt: str | None = None, device: str = "cpu") -> BlendResult:
         return await self._run(self._client.blend, model, chunks, start_pos=start_pos, tenant=tenant, salt=salt,
                                device=device)
+
+    async def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str,
+                           layer: int | None = None, tenant: str | None = None,
+                           salt: str | None = None) -> AuditReport:
+        return await self._run(self._client.report_audit, model, tokens, passed=passed, tier=tier, layer=layer,
+                               tenant=tenant, salt=salt)
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._client.stats)

@@ -40,11 +40,24 @@ class StoreCollector(Collector):
             for tier, value in by_tier.items():
                 family.add_metric([tier], value)
             yield family
+        yield from _audit_families(stats.get("audits") or {})
         for name, value in sorted(stats.items()):
             if _is_number(value):
                 family = _family(f"kvstore_{name}", f"store.stats() {name}", name, [])
                 family.add_metric([], float(value))
                 yield family
+
+
+def _audit_families(audits: dict[str, dict[str, dict[str, int]]]) -> Iterator[Metric]:
+    """Engines' audits of reused KV (kvstore/store_audit.py): passes and failures per model and
+    the tier that served the audited page; failures / (passes + failures) is the failure rate."""
+    for outcome, doc in (("passes", "audits of reused KV that matched what the engine computed"),
+                         ("failures", "audits of reused KV that did not (the matched path was dropped)")):
+        family = CounterMetricFamily(f"kvstore_audit_{outcome}", doc, labels=["model", "tier"])
+        for model, by_tier in audits.items():
+            for tier, counts in by_tier.items():
+                family.add_metric([model, tier], float(counts.get(outcome, 0)))
+        yield family
 
 
 def _family(metric: str, doc: str, name: str, labels: list[str]) -> CounterMetricFamily | GaugeMetricFamily:

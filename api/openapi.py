@@ -109,6 +109,16 @@ SCHEMAS: dict[str, Any] = {
         "properties": {"pid": {"type": "integer", "minimum": 1}, "fd": _int, "nbytes": _int,
                        "secret": {"type": "string", "format": "binary", "minLength": 32, "maxLength": 32}}},
     "SharedMemoryResult": {"type": "object", "required": ["nbytes"], "properties": {"nbytes": _int}},
+    "AuditRequest": {"type": "object", "required": ["model", "tokens", "passed", "tier"], "additionalProperties": False,
+                     "description": "an engine's audit of the KV it reused for tokens' cached prefix",
+                     "properties": {"model": _model, "tokens": _tokens, "salt": _salt,
+                                    "passed": {"type": "boolean"},
+                                    "layer": {"type": ["integer", "null"], "minimum": 0,
+                                              "description": "the first layer whose K or V failed"},
+                                    "tier": {"type": "string",
+                                             "description": "the tier that served the audited page"}}},
+    "AuditResult": {"type": "object", "required": ["dropped_pages", "kept_pages"],
+                    "properties": {"dropped_pages": _int, "kept_pages": _int}},
     "DropResult": {"type": "object", "required": ["dropped_pages"], "properties": {"dropped_pages": _int}},
     "Stats": {"type": "object", "description": "per tier: pages, bytes, capacity, hits, misses, evictions; "
                                                f"corrupt_records; tier codecs among {', '.join(CODECS)}"},
@@ -155,6 +165,10 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "200": {"description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}}}},
     ("GET", "/v1/stats"): {"summary": "Per-tier store statistics",
                            "responses": {**_ok("Stats", (JSON,)), **_errors(*_v1)}},
+    ("POST", "/v1/audit"): {"summary": "Count an engine's audit of reused KV; a failed one drops the matched path "
+                                       "in every tier",
+                            "requestBody": _body("AuditRequest"),
+                            "responses": {**_ok("AuditResult"), **_errors(400, 401, 404, 413, 415)}},
     ("PUT", "/v1/models/{model}"): {
         "summary": "Register a model's KV layout (idempotent)", "parameters": _path_model,
         "requestBody": _body("ModelSpec"),

@@ -23,6 +23,7 @@ ROUTES: list[web.RouteDef] = [
     web.get("/metrics", admin_handlers.metrics, allow_head=False),
     web.get("/openapi.json", admin_handlers.openapi, allow_head=False),
     web.get("/v1/stats", admin_handlers.stats, allow_head=False),
+    web.post("/v1/audit", admin_handlers.audit),
     web.put("/v1/models/{model:.+}", admin_handlers.put_model),
     web.get("/v1/models/{model:.+}", admin_handlers.get_model, allow_head=False),
     web.delete("/v1/models/{model:.+}", admin_handlers.delete_model),

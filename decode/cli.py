@@ -42,6 +42,9 @@ def register(subparsers: Any) -> None:
     gen.add_argument("--blend-ratio", type=float, default=DEFAULT_BLEND_RATIO,
                      help=f"with --chunk-file: fraction of chunk tokens recomputed (default {DEFAULT_BLEND_RATIO})")
     gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--audit-rate", type=float, default=0.0,
+                     help="probability (0-1) that a prefix hit is audited: its last full page is computed and "
+                          "compared with the stored one; a failure drops the path and recomputes (default 0: off)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -137,7 +140,7 @@ def run_generate(args: argparse.Namespace) -> int:
             backend = stack.enter_context(KVStore(StoreConfig(data_dir=args.data_dir, cpu_bytes=0)))
         try:
             result = generate(model, prompt, args.max_new_tokens, backend=backend, sampling=sampling,
-                              on_token=on_token, **blend)
+                              on_token=on_token, audit_rate=args.audit_rate, **blend)
         except ValueError as exc:
             print(f"kvstore generate: {exc}", file=sys.stderr)
             return 2

@@ -11,6 +11,11 @@ unless `stop_token_ids` says otherwise, as transformers' `generate` and vLLM do.
 The last prompt token is always computed, so even a fully cached prompt yields logits. The
 result says what was reused and what it cost. Without a backend this is a plain decode loop.
 
+With `audit_rate`, a sampled hit is audited (kvstore/reuse_audit.py): its last full page is
+prefilled here instead of reused and compared with the stored page; on a failure the store
+drops the matched path and this request prefills its whole prompt, so it never answers from
+KV that failed.
+
 With `chunks`, the prompt is [prefix][chunk 1]...[chunk N][prompt_tokens] and its prefill is
 CacheBlend's (decode/blend.py): the chunks' KV comes from the store wherever they sat before,
 and a fraction `blend_ratio` of their tokens is recomputed.
@@ -30,6 +35,7 @@ from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 from kvstore.decode.reuse import BackendWarning
 from kvstore.decode.sampling import Sampler, SamplingParams
 from kvstore.backend import KVCacheBackend
+from kvstore.reuse_audit import AuditOutcome, check_audit_rate
 
 __all__ = ["GenerateResult", "generate", "BackendWarning", "Prompt"]
 
@@ -55,13 +61,15 @@ class GenerateResult:
     recomputed_tokens: int = 0  # CacheBlend: chunk tokens recomputed past the first layer
     text: str | None = None  # the generated tokens as text, when the model has a tokenizer
     prompt_ids: list[int] = field(default_factory=list)  # the whole prompt as the model saw it
+    audit: AuditOutcome | None = None  # the audit of this request's reused KV, when it was audited
 
     def summary(self) -> str:
         tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
         blend = "" if self.chunk_hits is None else (
             f"chunks hit {sum(self.chunk_hits)}/{len(self.chunk_hits)}, "
             f"recomputed {self.recomputed_tokens} chunk tokens; ")
-        return blend + (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, "
+        audit = "" if self.audit is None else f"audit {self.audit.describe()}; "
+        return blend + audit + (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, "
                 f"computed {self.computed_tokens}, "
                 f"TTFT {self.ttft_s * 1e3:.1f} ms (fetch {self.fetch_s * 1e3:.1f} ms), TPOT {tpot}, "
                 f"store {self.store_s * 1e3:.1f} ms, generated {len(self.tokens)}")
@@ -93,7 +101,7 @@ def generate(model: LlamaModel, prompt_tokens: Prompt, max_new_tokens: int,
              stop_token_ids: Sequence[int] | None = None, tenant: str | None = None, timeout_s: float | None = 10.0,
              min_reuse_tokens: int = 1, store: bool = True, return_logits: bool = False,
              chunks: Sequence[Prompt] | None = None, prefix: Prompt = (),
-             blend_ratio: float = DEFAULT_BLEND_RATIO,
+             blend_ratio: float = DEFAULT_BLEND_RATIO, audit_rate: float = 0.0,
              on_token: Callable[[int], None] | None = None) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens after `prompt_tokens` (ids, text or messages).
 
@@ -109,9 +117,12 @@ def generate(model: LlamaModel, prompt_tokens: Prompt, max_new_tokens: int,
     stored chunks are reused at any position, a fraction `blend_ratio` of their tokens is
     recomputed (0: plain concatenation of their KV, 1: exactly a full prefill), missed chunks are
     computed and stored with `store_chunk`. Only the prefix is stored as a prefix.
+
+    `audit_rate` (0 to 1): the probability that a hit is audited (the module docstring).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+    audit_rate = check_audit_rate(audit_rate)
     start_time = time.perf_counter()
     stops = model.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
     if chunks is not None:
@@ -127,7 +138,8 @@ def generate(model: LlamaModel, prompt_tokens: Prompt, max_new_tokens: int,
     try:
         return _run(model, prompt, max_new_tokens, cache, table, reuse, start_time, sampling=sampling,
                     stop_token_ids=stops, min_reuse_tokens=min_reuse_tokens, store=store,
-                    return_logits=return_logits, blend=parts, blend_ratio=blend_ratio, on_token=on_token)
+                    return_logits=return_logits, blend=parts, blend_ratio=blend_ratio, audit_rate=audit_rate,
+                    on_token=on_token)
     finally:
         cache.release(table)  # the cache outlives the request: give its pages back even on error
 
@@ -136,8 +148,10 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
          reuse: ChunkReuse | None, start_time: float, *, sampling: SamplingParams, stop_token_ids: Sequence[int],
          min_reuse_tokens: int, store: bool, return_logits: bool,
          blend: tuple[list[int], list[list[int]], list[int]] | None = None,
-         blend_ratio: float = DEFAULT_BLEND_RATIO, on_token: Callable[[int], None] | None = None) -> GenerateResult:
+         blend_ratio: float = DEFAULT_BLEND_RATIO, audit_rate: float = 0.0,
+         on_token: Callable[[int], None] | None = None) -> GenerateResult:
     n = len(prompt)
+    audit = None
     device = model.device
     if blend is not None:
         outcome = blend_prefill(model, *blend, cache, table, reuse, ratio=blend_ratio, store=store)
@@ -145,13 +159,19 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         table.num_tokens = n
     else:
         outcome = None
-        hit = reuse.load_prefix(prompt, cache, table, min_reuse_tokens=min_reuse_tokens) if reuse else None
+        hit = reuse.load_prefix(prompt, cache, table, min_reuse_tokens=min_reuse_tokens,
+                                audit_rate=audit_rate) if reuse else None
         reused = hit.reused_tokens if hit else 0
         fetch_s = time.perf_counter() - start_time
-        ids = torch.tensor(prompt[reused:], dtype=torch.long, device=device)  # (n - reused,)
-        positions = torch.arange(reused, n, device=device)  # (n - reused,)
-        logits = model(ids, positions, cache, AttentionContext.for_span(cache, table, reused, n), logits="last")
-        table.num_tokens = n
+        logits = _prefill(model, prompt, reused, cache, table)
+        known = reused
+        if hit is not None and hit.audit is not None:
+            audit = reuse.finish_audit(hit.audit, cache, table)
+            if audit.passed:
+                known = hit.audit.end  # the withheld page is in the store already
+            else:  # the reused prefix is not what this model computes: prefill all of it here
+                reused = known = 0
+                logits = _prefill(model, prompt, 0, cache, table)
     sampler = Sampler(sampling)
     output = [sampler(logits)]
     first_token_time = time.perf_counter()
@@ -163,7 +183,7 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
     if outcome is not None:  # CacheBlend: only the exact part, the prefix, is a prefix for others
         stored = reuse.store(blend[0], cache, table) if reuse and store and blend[0] else 0
     else:
-        stored = reuse.store(prompt, cache, table, known_tokens=reused) if reuse and store else reused
+        stored = reuse.store(prompt, cache, table, known_tokens=known) if reuse and store else known
     decode_start = time.perf_counter()
     stops = set(stop_token_ids)
     while len(output) < max_new_tokens and output[-1] not in stops:
@@ -191,7 +211,17 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         logits=torch.stack(kept) if kept is not None else None,
         chunk_hits=outcome.chunk_hits if outcome else None,
         recomputed_tokens=outcome.recomputed_tokens if outcome else 0,
-        text=None if model.tokenizer is None else model.tokenizer.decode(output), prompt_ids=prompt)
+        text=None if model.tokenizer is None else model.tokenizer.decode(output), prompt_ids=prompt, audit=audit)
+
+
+def _prefill(model: LlamaModel, prompt: list[int], start: int, cache: PagedKVCache, table: BlockTable) -> torch.Tensor:
+    """Prefill prompt[start:] after the KV of positions 0..start-1 in `table`; the last logits (V,)."""
+    n = len(prompt)
+    ids = torch.tensor(prompt[start:], dtype=torch.long, device=model.device)  # (n - start,)
+    positions = torch.arange(start, n, device=model.device)  # (n - start,)
+    logits = model(ids, positions, cache, AttentionContext.for_span(cache, table, start, n), logits="last")
+    table.num_tokens = n
+    return logits
 
 
 def _check_blend(model: LlamaModel, prefix: Prompt, chunks: Sequence[Prompt],

@@ -8,6 +8,7 @@ Works with any `KVCacheBackend`: the in-process `KVStore` or the sidecar's `KVSt
 """
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 import weakref
@@ -20,6 +21,9 @@ from kvstore.decode.model import LlamaModel
 from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 from kvstore.backend import KVCacheBackend
 from kvstore.errors import ModelNotFound
+from kvstore.reuse_audit import AuditOutcome, audited_span, compare_page, sampled, tier_at
+
+log = logging.getLogger("kvstore.audit")
 
 T = TypeVar("T")
 
@@ -62,11 +66,24 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float | None) -> T:
     return box["value"]
 
 
+@dataclass(frozen=True)
+class PendingAudit:
+    """A hit's withheld page (kvstore/reuse_audit.py): positions start..end-1 are prefilled by
+    this request, then compared with `stored`, the page the store served for them."""
+
+    start: int
+    end: int
+    stored: torch.Tensor  # (L, 2, end - start, H, D)
+    tier: str  # the tier lookup said serves the page
+    query: list[int]  # the tokens whose matched path was reused (a failure drops that path)
+
+
 @dataclass
 class PrefixHit:
     reused_tokens: int = 0  # leading prompt tokens whose KV now sits in the paged cache
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> matched tokens, as lookup reported
     error: str | None = None  # why the backend could not be used, if it could not
+    audit: PendingAudit | None = None  # set when this hit is audited: its last full page was withheld
 
 
 class PrefixReuse:
@@ -115,9 +132,11 @@ class PrefixReuse:
             return self._call(fn)
 
     def load_prefix(self, prompt: Sequence[int], cache: PagedKVCache, table: BlockTable, *,
-                    min_reuse_tokens: int = 1) -> PrefixHit:
+                    min_reuse_tokens: int = 1, audit_rate: float = 0.0) -> PrefixHit:
         """lookup -> fetch -> scatter into `table`; at most len(prompt) - 1 tokens are reused so the
-        last prompt token is always computed and the first token has logits."""
+        last prompt token is always computed and the first token has logits. With probability
+        `audit_rate` the hit is audited: its last full page is left out of the scatter and kept
+        in `PrefixHit.audit` for `finish_audit` once the caller has prefilled it."""
         error = self.register()
         if error:
             return PrefixHit(error=error)
@@ -136,8 +155,36 @@ class PrefixReuse:
             kv = self._check_kv(fetched.kv, matched, found.matched_tokens)
         except Exception as exc:
             return PrefixHit(error=self._degrade("lookup/fetch", exc))
-        cache.scatter(table, kv, start=0)
-        return PrefixHit(reused_tokens=matched, tiers=dict(found.tiers))
+        span = audited_span(matched, self.model.spec.page_size, len(prompt)) if sampled(audit_rate) else None
+        if span is None:
+            cache.scatter(table, kv, start=0)
+            return PrefixHit(reused_tokens=matched, tiers=dict(found.tiers))
+        start, end = span
+        if start:
+            cache.scatter(table, kv[:, :, :start], start=0)
+        stored = kv[:, :, start:end].clone()  # (L, 2, P, H, D): the answer may be a reused buffer
+        audit = PendingAudit(start, end, stored, tier_at(found.tiers, start), query[:matched])
+        return PrefixHit(reused_tokens=start, tiers=dict(found.tiers), audit=audit)
+
+    def finish_audit(self, audit: PendingAudit, cache: PagedKVCache, table: BlockTable) -> AuditOutcome:
+        """Compare the page this request computed with the one the store served, and tell the
+        store: a pass is counted, a failure also drops the matched path in every tier. The
+        caller recomputes the request's whole prefix after a failure."""
+        computed = cache.gather(table, audit.start, audit.end)  # (L, 2, P, H, D)
+        outcome = compare_page(computed, audit.stored, self.model.dtype)
+        failure = outcome.first_failure
+        if failure is not None:
+            log.warning("kvstore audit: model %s, %s; recomputing this request's prefix", self.model.name,
+                        outcome.describe())
+        report = getattr(self.backend, "report_audit", None)  # the store logs the failure and drops the path
+        if report is not None:
+            try:
+                self._call_registered(lambda: report(self.model.name, audit.query, passed=outcome.passed,
+                                                     tier=audit.tier, layer=None if failure is None else failure[0],
+                                                     tenant=self.tenant))
+            except Exception as exc:
+                self._degrade("report_audit", exc)
+        return outcome
 
     def _check_kv(self, kv: Any, matched: int, asked: int) -> torch.Tensor:
         # Trust nothing from across a process boundary: a wrong shape or dtype means a wrong answer.
@@ -168,3 +215,4 @@ class PrefixReuse:
         # Less than `known_tokens` when the prefix was evicted meanwhile: the next store then starts
         # earlier and sends it again.
         return min(result.stored_tokens, len(tokens))
+

@@ -25,6 +25,12 @@ class FetchResult:
 
 
 @dataclass(frozen=True)
+class AuditReport:
+    dropped_pages: int  # pages a failed audit removed from every tier (0 for a pass)
+    kept_pages: int  # pages of the failed path left in place because a request held them pinned
+
+
+@dataclass(frozen=True)
 class BlendResult:
     hits: list[bool]  # per chunk
     kv: Any  # torch.Tensor (L, 2, sum(chunk lengths), H, D); missed chunks are zeros

@@ -38,8 +38,9 @@ from kvstore.pinned_fetch import PinnedFetch
 from kvstore.rebuild import rebuild_index
 from kvstore.registry import Model
 from kvstore.rerotate import check_rerotatable
-from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
+from kvstore.results import AuditReport, BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.shared_probe import probe_shared
+from kvstore.store_audit import check_layer, check_passed, check_tier_name, record_audit
 from kvstore.store_state import StoreState
 from kvstore.store_stats import store_stats
 from kvstore.validation import (CPU, check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
@@ -252,6 +253,17 @@ class KVStore:
         namespace = entry.namespace
         return blend_chunks(lambda key, spec, tb, dev: self._fetch(key, namespace, spec, tb, 0, dev), self.config,
                             root_key, entry.spec, tbs, start_pos, dev)
+
+    # -- audited reuse (kvstore/reuse_audit.py, kvstore/store_audit.py) ------------------------
+    def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str, layer: int | None = None,
+                     tenant: str | None = None, salt: str | None = None) -> AuditReport:
+        """An engine's audit of the KV it reused for `tokens`' cached prefix, served by `tier`:
+        counted per model and tier; a failure (first failing `layer`, if known) drops the matched
+        path's pages from every tier and logs one error."""
+        entry = self._model(model, tenant)
+        tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
+        return record_audit(self._state, model, tenant, _root(entry, salt), entry.spec.page_size, tb,
+                            passed=check_passed(passed), tier=check_tier_name(tier), layer=check_layer(layer))
 
     # -- what the sidecar's adapter calls (api/loop_store.py): not the embedder's surface -----
     def _register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:

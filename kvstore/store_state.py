@@ -24,6 +24,7 @@ from kvstore.config import ModelSpec, StoreConfig
 from kvstore.index import Node, PageIndex
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
+from kvstore.store_audit import AuditCounts
 from kvstore.tier_stack import TierStack
 
 
@@ -49,6 +50,7 @@ class StoreState:
         self.clock = 0  # logical time of the last request that touched pages (policies' recency)
         self.counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
                          "fetched_tokens": 0, "stored_pages": 0, "requested_tokens": 0}
+        self.audits = AuditCounts()  # engines' audits of reused KV, per model and tier (store_audit.py)
 
     def tick(self) -> int:
         """Advance the clock for a request that touches pages (under the lock)."""

@@ -30,4 +30,5 @@ def store_stats(state: StoreState) -> dict[str, Any]:
         corrupt = sum(tier.corrupt_records for tier in state.tiers.tiers.values())
         return {"tiers": tiers, "pages": len(state.index), "corrupt_records": corrupt,
                 "dropped_pages": placement.dropped_pages, "policy": state.config.policy,
-                "models": len(state.registry._models), "tenants": tenants, **state.counters}
+                "models": len(state.registry._models), "tenants": tenants,
+                "audits": state.audits.as_stats(), **state.counters}

@@ -1,0 +1,267 @@
+"""Audited reuse on the real model (SmolLM2-135M-Instruct): faults it must catch, clean hits it must pass.
+
+`run_faults`: each fault puts wrong KV under a prompt's key in a fresh store, the way users have
+met it, then a request that extends the prompt runs with `audit_rate=1`:
+
+    slot-bytes      random bytes written over part of a CPU-tier slot, behind the store's back
+    weights-1.01    pages stored under the model's name by a checkpoint with one layer's weights x 1.01
+    k-no-rope       K stored without its rotary embedding
+    k-wrong-pos     K rotated for the wrong positions (shifted by `shift` tokens)
+    heads-permuted  the layout written with its KV heads in the wrong order (a scatter's bug)
+    pages-swapped   two pages of the sequence written in each other's place (blocks in the wrong order)
+    collision       a page of another prompt served under this prompt's key (a hash collision)
+
+Each fault is placed either in the page the audit withholds ("audited page") or in an earlier page
+of the matched prefix ("earlier page", which reaches the audited page only through attention).
+A case passes when the first audited hit fails its audit, the store drops the path, the audited
+request answers with exactly the tokens of its own full prefill, and the next request (audited
+again) passes and answers as its own full prefill.
+
+`run_clean`: many audited hits of real text on correct pages (in-process or through a sidecar),
+recording every deviation: the tolerance's measurement and the false-alarm count.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.decode import LlamaModel, generate, load_model
+from kvstore.decode.attention import AttentionContext
+from kvstore.reuse_audit import tolerance_for
+from kvstore.store import KVStore
+
+NEW_TOKENS = 12
+FAULTS = ("slot-bytes", "weights-1.01", "k-no-rope", "k-wrong-pos", "heads-permuted", "pages-swapped", "collision")
+WHERE = ("audited page", "earlier page")
+
+
+def real_model(dtype: str) -> LlamaModel:
+    return load_model("smollm2", dtype=dtype)
+
+
+def real_text(model: LlamaModel) -> list[int]:
+    """Python's language reference as token ids: real English prose and code."""
+    from pydoc_data.topics import topics
+
+    assert model.tokenizer is not None
+    return model.tokenizer.encode("\n\n".join(topics[k].strip() for k in sorted(topics)))
+
+
+def new_store() -> KVStore:
+    return KVStore(StoreConfig(data_dir=None, cpu_bytes=256 << 20, disk_bytes=0))
+
+
+def full_kv(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    """(L, 2, T, H, D): the KV a full prefill of `tokens` computes."""
+    cache = model.new_cache(len(tokens))
+    table = cache.new_table()
+    cache.reserve(table, len(tokens))
+    ids = torch.tensor(tokens, dtype=torch.long)
+    model(ids, torch.arange(len(tokens)), cache, AttentionContext.for_span(cache, table, 0, len(tokens)), logits="none")
+    table.num_tokens = len(tokens)
+    return cache.gather(table, 0, len(tokens))
+
+
+def rotate_k(model: LlamaModel, kv: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+    """kv with K rotated by `by` (T,) more positions (negative: back), in float32 then cast back."""
+    out = kv.clone()
+    cos, sin = model.rotary.cos_sin(by, torch.float32)  # (T, 1, D)
+    k = out[:, 0].to(torch.float32)  # (L, T, H, D)
+    half = k.shape[-1] // 2
+    rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
+    out[:, 0] = (k * cos + rotated * sin).to(kv.dtype)
+    return out
+
+
+def cpu_slot(store: KVStore, model: LlamaModel, tokens: list[int], page_index: int) -> torch.Tensor:
+    """The CPU-tier bytes of page `page_index` of `tokens`' stored path (a view: writes go behind
+    the store's back)."""
+    from kvstore.limits import MAX_TOKENS
+    from kvstore.validation import token_bytes
+
+    state = store._state
+    with state.lock:
+        namespace = store._registry.get(model.name, None).namespace
+        path = state.index.match(namespace, token_bytes(tokens, max_tokens=MAX_TOKENS), model.spec.page_size).path
+        node = path[page_index]
+        offset, _ = state.tiers.slot_tiers["cpu"].get(node.key)
+        nbytes = node.tiers["cpu"]
+        return state.tiers.tiers["cpu"].buffer[offset:offset + nbytes]
+
+
+@dataclass
+class FaultCase:
+    fault: str
+    where: str
+    dtype: str
+    detected: bool  # the first audited hit failed its audit
+    first_layer: int | None  # the first layer over the tolerance
+    worst: float  # the largest deviation of the first audited hit
+    tolerance: float
+    left_tokens: int  # tokens of the prompt the store still matched after the failed audit (0: dropped)
+    audited_answer_ok: bool  # the audited request answered as its own full prefill
+    next_recomputed: bool  # the next request found nothing to reuse and prefilled everything
+    next_answer_ok: bool  # and answered as its own full prefill
+    later_passed: bool  # a later hit on the pages that request stored passed its audit
+    later_answer_ok: bool  # and answered as its own full prefill
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.detected and self.left_tokens == 0 and self.audited_answer_ok and self.next_recomputed \
+            and self.next_answer_ok and self.later_passed and self.later_answer_ok
+
+
+def _reference(model: LlamaModel, prompt: list[int]) -> list[int]:
+    return generate(model, prompt, NEW_TOKENS, stop_token_ids=()).tokens
+
+
+def plant(fault: str, model: LlamaModel, store: KVStore, prompt: list[int], other: list[int], page: int,
+          rng: random.Random, *, shift: int = 1) -> None:
+    """Store `prompt`'s pages in `store` with `fault` placed in page `page`."""
+    p = model.spec.page_size
+    span = slice(page * p, (page + 1) * p)
+    if fault == "weights-1.01":
+        scaled = copy.deepcopy(model)
+        layer = scaled.layers[len(scaled.layers) // 2]  # a middle layer: its K/V and everything after it move
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.mul_(1.01)
+        store.store(model.name, prompt, full_kv(scaled, prompt))
+        return
+    kv = full_kv(model, prompt)
+    if fault in ("slot-bytes", "collision"):
+        store.store(model.name, prompt, kv)
+        slot = cpu_slot(store, model, prompt, page)
+        if fault == "slot-bytes":  # 256 random bytes at a random place in the page's slot
+            at = rng.randrange(0, slot.numel() - 256)
+            slot[at:at + 256] = torch.randint(0, 256, (256,), dtype=torch.uint8,
+                                              generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        else:  # the same page of another prompt, under this prompt's key
+            store.store(model.name, other, full_kv(model, other))
+            slot.copy_(cpu_slot(store, model, other, page))
+        return
+    bad = kv.clone()
+    positions = torch.arange(span.start, span.stop)
+    if fault == "k-no-rope":
+        bad[:, :, span] = rotate_k(model, kv[:, :, span], -positions)
+    elif fault == "k-wrong-pos":
+        bad[:, :, span] = rotate_k(model, kv[:, :, span], torch.full_like(positions, shift))
+    elif fault == "heads-permuted":
+        bad[:, :, span] = kv[:, :, span].roll(1, dims=3)  # (L, 2, P, H, D): head h written where h+1 goes
+    elif fault == "pages-swapped":
+        other_page = page - 1 if page else page + 1
+        swap = slice(other_page * p, (other_page + 1) * p)
+        bad[:, :, span], bad[:, :, swap] = kv[:, :, swap], kv[:, :, span]
+    else:
+        raise ValueError(f"fault: expected one of {', '.join(FAULTS)}, got {fault!r}")
+    store.store(model.name, prompt, bad)
+
+
+def run_fault(model: LlamaModel, text: list[int], fault: str, where: str, rng: random.Random, *,
+              prompt_tokens: int = 160, shift: int = 1) -> FaultCase:
+    began = time.perf_counter()
+    p = model.spec.page_size
+    at = rng.randrange(0, len(text) - 4 * prompt_tokens)
+    prompt = text[at:at + prompt_tokens]  # stored: prompt_tokens // p full pages
+    other = text[at + 2 * prompt_tokens:at + 3 * prompt_tokens]
+    request = prompt + text[at + 3 * prompt_tokens:at + 3 * prompt_tokens + 9]
+    follow_up = prompt + text[at + 3 * prompt_tokens + 20:at + 3 * prompt_tokens + 31]
+    audited = prompt_tokens // p - 1  # the last full page of the match is the one withheld
+    page = audited if where == "audited page" else audited // 2
+    with new_store() as store:
+        store.register_model(model.name, model.spec)
+        plant(fault, model, store, prompt, other, page, rng, shift=shift)
+        # Not stored, so that what the failed audit left is what the store holds afterwards.
+        first = generate(model, request, NEW_TOKENS, backend=store, audit_rate=1.0, stop_token_ids=(), store=False)
+        left = store.lookup(model.name, prompt).matched_tokens
+        after = generate(model, follow_up, NEW_TOKENS, backend=store, audit_rate=1.0, stop_token_ids=())
+        later = generate(model, request, NEW_TOKENS, backend=store, audit_rate=1.0, stop_token_ids=())
+    audit = first.audit
+    assert audit is not None, "the first request was not audited"
+    failure = audit.first_failure
+    return FaultCase(fault, where, str(model.dtype).removeprefix("torch."), not audit.passed,
+                     None if failure is None else failure[0], audit.worst, audit.tolerance, left,
+                     first.tokens == _reference(model, request), after.reused_tokens == 0,
+                     after.tokens == _reference(model, follow_up), later.audit is not None and later.audit.passed,
+                     later.tokens == _reference(model, request), time.perf_counter() - began)
+
+
+def run_faults(dtype: str, *, faults: tuple[str, ...] = FAULTS, where: tuple[str, ...] = WHERE, seed: int = 40,
+               model: LlamaModel | None = None) -> list[FaultCase]:
+    model = model or real_model(dtype)
+    text = real_text(model)
+    rng = random.Random(seed)
+    # Other weights change every page alike: there is no "earlier page" to place it in.
+    return [run_fault(model, text, fault, w, rng) for fault in faults for w in where
+            if not (fault == "weights-1.01" and w != WHERE[0])]
+
+
+@dataclass
+class CleanReport:
+    path: str  # "in-process" or "sidecar"
+    dtype: str
+    hits: int = 0
+    failures: int = 0
+    tolerance: float = 0.0
+    worst: list[float] = field(default_factory=list)  # per hit: the largest deviation over layers and K/V
+    seconds: float = 0.0
+
+    @property
+    def worst_in_eps(self) -> float:
+        eps = torch.finfo(getattr(torch, self.dtype)).eps
+        return max(self.worst, default=0.0) / eps
+
+
+def run_clean(dtype: str, hits: int, *, path: str = "in-process", documents: int = 8, document_tokens: int = 640,
+              seed: int = 41, model: LlamaModel | None = None,
+              progress: Callable[[int], Any] | None = None) -> CleanReport:
+    """`hits` audited hits of real text: `documents` stored documents, each hit a prefix of one of
+    them (any length past a page) followed by a few tokens from elsewhere."""
+    from contextlib import ExitStack
+
+    model = model or real_model(dtype)
+    text = real_text(model)
+    rng = random.Random(seed)
+    report = CleanReport(path, dtype, tolerance=tolerance_for(model.dtype))
+    began = time.perf_counter()
+    with ExitStack() as stack:
+        if path == "sidecar":
+            from kvstore.api.client import KVStoreClient
+            from kvstore.decode.sidecar import InProcessSidecar
+
+            url = stack.enter_context(InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=256 << 20,
+                                                                   disk_bytes=0)))
+            backend: Any = stack.enter_context(KVStoreClient(url))
+        else:
+            backend = stack.enter_context(new_store())
+        docs = []
+        for _ in range(documents):
+            at = rng.randrange(0, len(text) - document_tokens)
+            docs.append(text[at:at + document_tokens])
+            generate(model, docs[-1], 1, backend=backend)
+        p = model.spec.page_size
+        for i in range(hits):
+            doc = docs[i % documents]
+            m = rng.randrange(p + 1, document_tokens)
+            tail_at = rng.randrange(0, len(text) - 16)
+            prompt = doc[:m] + text[tail_at:tail_at + rng.randrange(1, 12)]
+            result = generate(model, prompt, 1, backend=backend, audit_rate=1.0, store=False)
+            if result.audit is None:
+                continue  # a match shorter than a page past the prompt's last token: nothing to audit
+            report.hits += 1
+            report.failures += not result.audit.passed
+            report.worst.append(result.audit.worst)
+            if progress is not None:
+                progress(report.hits)
+        stats = backend.stats()["audits"].get(model.name, {})
+        counted = sum(c["passes"] + c["failures"] for c in stats.values())
+        assert counted == report.hits, f"the store counted {counted} audits of {report.hits}"
+    report.seconds = time.perf_counter() - began
+    return report
