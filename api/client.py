@@ -32,6 +32,7 @@ from kvstore.api.http1 import Connection, ProtocolError
 from kvstore.config import ModelSpec
 from kvstore.copy_threads import copy_all
 from kvstore.errors import BackendUnavailable, KVStoreError, SharedMemoryRefused
+from kvstore.page_slice import PageSlice
 from kvstore.results import AuditReport, BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.validation import check_into
 
@@ -74,7 +75,8 @@ class KVStoreClient:
         self._shm_bytes = shared_memory_bytes
         self._arena: ClientArena | None = None
         self._arena_generation = _forks.generation
-        self._bytes_per_token: dict[str, int] = {}  # learned from answers: sizes fetch regions
+        # Learned from answers, per model and slice of the pages: sizes fetch regions.
+        self._bytes_per_token: dict[tuple[str, str], int] = {}
         self.url = url.rstrip("/")
         self._host, self._port = parts.hostname, parts.port or 80
         self._timeout_s = timeout_s
@@ -105,22 +107,25 @@ class KVStoreClient:
         return codec.lookup_result(self._call("POST", "/v1/lookup", [codec.tokens_body(model, tokens, salt=salt)]))
 
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-              salt: str | None = None, device: str = "cpu", into: Any = None) -> FetchResult:
+              salt: str | None = None, device: str = "cpu", into: Any = None, heads: Any = None,
+              layers: Any = None) -> FetchResult:
         """`into`, as `KVStore.fetch`'s: a flat uint8 CPU tensor that an answer coming over the
         socket is received into when it holds the whole answer (its KV and a few hundred bytes of
         fields; `kv` then views part of it), instead of fresh memory, whose page faults a
         reused buffer does not pay. Through shared memory `kv` views the client's arena, where
-        the sidecar wrote it, and `into` is not used."""
+        the sidecar wrote it, and `into` is not used. `heads` / `layers`: as `KVStore.fetch`'s."""
         codec.check_tenant(tenant)
         receive = None if into is None else check_into(into, torch.device("cpu")).numpy()
-        arena, per_token = self._shared_memory(), self._bytes_per_token.get(model)
+        part = PageSlice.wire_fields(layers=layers, heads=heads)
+        sized_by = (model, repr(part))
+        arena, per_token = self._shared_memory(), self._bytes_per_token.get(sized_by)
         sized = per_token and isinstance(start, int) and hasattr(tokens, "__len__")
         wanted = (len(tokens) - start) * per_token if sized else 0
         offset = arena.allocate(wanted) if arena is not None and wanted > 0 else None
         if offset is not None:  # the answer is written into our shared memory (api/shared_memory.py)
             assert arena is not None
             try:
-                body = codec.tokens_body(model, tokens, start, shm=(offset, wanted), salt=salt)
+                body = codec.tokens_body(model, tokens, start, shm=(offset, wanted), salt=salt, part=part)
             except BaseException:
                 arena.release(offset, wanted)
                 raise
@@ -132,20 +137,24 @@ class KVStoreClient:
                 placed = obj.get("shm")
                 if placed is None:  # it did not fit (the model changed?): the KV came in the body
                     arena.release(offset, wanted)
-                    return self._fetch_result(model, obj, device)
+                    return self._fetch_result(sized_by, obj, device)
                 if placed.get("offset") != offset or not 0 <= placed.get("nbytes", -1) <= wanted:
                     arena.release(offset, wanted)
                     raise BackendUnavailable(f"{self.url}: fetch answered shm {placed!r}, "
                                              f"asked for ({offset}, {wanted})")
                 raw = arena.adopt(offset, wanted, placed["nbytes"], lambda array: codec.kv_array(array, obj))
-                return self._fetch_result(model, obj, device, raw=raw)
-        answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start, salt=salt)], into=receive)
-        return self._fetch_result(model, answer, device)
+                return self._fetch_result(sized_by, obj, device, raw=raw)
+        answer = self._call("POST", "/v1/fetch", [codec.tokens_body(model, tokens, start, salt=salt, part=part)],
+                            into=receive)
+        return self._fetch_result(sized_by, answer, device)
 
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
-              tenant: str | None = None, salt: str | None = None) -> StoreResult:
+              tenant: str | None = None, salt: str | None = None, heads: Any = None,
+              layers: Any = None) -> StoreResult:
+        """`heads` / `layers`: `kv` is that part of the pages, as with `KVStore.store`."""
         codec.check_tenant(tenant)
-        return self._store("/v1/store", model, tokens, kv, start, salt)
+        part = PageSlice.wire_fields(layers=layers, heads=heads)
+        return self._store("/v1/store", model, tokens, kv, start, salt, part)
 
     def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None,
                     salt: str | None = None) -> StoreResult:
@@ -190,7 +199,7 @@ class KVStoreClient:
     # ---- shared memory ----------------------------------------------------------------------
 
     def _store(self, path: str, model: str, tokens: Sequence[int], kv: Any, start: int,
-               salt: str | None) -> StoreResult:
+               salt: str | None, part: dict[str, Any] | None = None) -> StoreResult:
         arena = self._shared_memory()
         if arena is not None:
             raw, dtype = codec.kv_bytes(kv)
@@ -198,7 +207,7 @@ class KVStoreClient:
             if offset is not None:  # one copy into our shared memory; the sidecar copies it into its tier
                 try:
                     copy_all([(arena.view(offset, raw.nbytes), np.frombuffer(raw, dtype=np.uint8))])
-                    body = codec.store_shm_body(model, tokens, dtype, start, (offset, raw.nbytes), salt)
+                    body = codec.store_shm_body(model, tokens, dtype, start, (offset, raw.nbytes), salt, part)
                 except BaseException:
                     arena.release(offset, raw.nbytes)
                     raise
@@ -209,7 +218,7 @@ class KVStoreClient:
                 else:
                     arena.release(offset, raw.nbytes)
                     return codec.store_result(obj)
-        return codec.store_result(self._call("POST", path, codec.store_parts(model, tokens, kv, start, salt)))
+        return codec.store_result(self._call("POST", path, codec.store_parts(model, tokens, kv, start, salt, part)))
 
     def _shared_memory_call(self, path: str, parts: codec.Parts, arena: ClientArena, offset: int, nbytes: int) -> Any:
         """POST a request naming the region [offset, offset + nbytes). If the sidecar answered
@@ -224,10 +233,11 @@ class KVStoreClient:
             arena.release(offset, nbytes)
             raise
 
-    def _fetch_result(self, model: str, obj: dict[str, Any], device: str, raw: Any = None) -> FetchResult:
+    def _fetch_result(self, sized_by: tuple[str, str], obj: dict[str, Any], device: str,
+                      raw: Any = None) -> FetchResult:
         per_token = codec.bytes_per_token(obj)
         if per_token:
-            self._bytes_per_token[model] = per_token
+            self._bytes_per_token[sized_by] = per_token
         return codec.fetch_result(obj, device, raw)
 
     def _shared_memory(self) -> ClientArena | None:
@@ -349,13 +359,16 @@ class AsyncKVStoreClient:
         return await self._run(self._client.lookup, model, tokens, tenant=tenant, salt=salt)
 
     async def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-                    salt: str | None = None, device: str = "cpu", into: Any = None) -> FetchResult:
+                    salt: str | None = None, device: str = "cpu", into: Any = None, heads: Any = None,
+                    layers: Any = None) -> FetchResult:
         return await self._run(self._client.fetch, model, tokens, start=start, tenant=tenant, salt=salt, device=device,
-                               into=into)
+                               into=into, heads=heads, layers=layers)
 
     async def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
-                    tenant: str | None = None, salt: str | None = None) -> StoreResult:
-        return await self._run(self._client.store, model, tokens, kv, start=start, tenant=tenant, salt=salt)
+                    tenant: str | None = None, salt: str | None = None, heads: Any = None,
+                    layers: Any = None) -> StoreResult:
+        return await self._run(self._client.store, model, tokens, kv, start=start, tenant=tenant, salt=salt,
+                               heads=heads, layers=layers)
 
     async def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *,
                           tenant: str | None = None, salt: str | None = None) -> StoreResult:

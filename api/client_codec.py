@@ -86,8 +86,9 @@ def with_salt(fields: dict[str, Any], salt: str | None) -> dict[str, Any]:
 
 
 def tokens_body(model: str, tokens: Any, start: int | None = None, shm: tuple[int, int] | None = None,
-                salt: str | None = None) -> bytes:
-    fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens)}, salt)
+                salt: str | None = None, part: dict[str, Any] | None = None) -> bytes:
+    """`part`: the fields naming a slice of the pages (PageSlice.wire_fields)."""
+    fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens), **(part or {})}, salt)
     if start:
         fields["start"] = start
     if shm is not None:  # (offset, nbytes) of the client's shared memory to answer into
@@ -96,10 +97,10 @@ def tokens_body(model: str, tokens: Any, start: int | None = None, shm: tuple[in
 
 
 def store_shm_body(model: str, tokens: Any, dtype: str, start: int, shm: tuple[int, int],
-                   salt: str | None = None) -> bytes:
+                   salt: str | None = None, part: dict[str, Any] | None = None) -> bytes:
     """A store whose KV is already at `shm` = (offset, nbytes) of the client's shared memory."""
     fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens), "dtype": dtype,
-                                        "shm": {"offset": shm[0], "nbytes": shm[1]}}, salt)
+                                        "shm": {"offset": shm[0], "nbytes": shm[1]}, **(part or {})}, salt)
     if start:
         fields["start"] = start
     return small_body(fields)
@@ -113,9 +114,11 @@ def bytes_per_token(obj: dict[str, Any]) -> int | None:
     return shape[0] * shape[1] * shape[3] * shape[4] * dtype_bytes
 
 
-def store_parts(model: str, tokens: Any, kv: Any, start: int = 0, salt: str | None = None) -> Parts:
+def store_parts(model: str, tokens: Any, kv: Any, start: int = 0, salt: str | None = None,
+                part: dict[str, Any] | None = None) -> Parts:
     raw, dtype = kv_bytes(kv)
-    fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens), "dtype": dtype}, salt)
+    fields: dict[str, Any] = with_salt({"model": model, "tokens": tokens_bin(tokens), "dtype": dtype,
+                                        **(part or {})}, salt)
     if start:
         fields["start"] = start
     return [pack_map_prefix(fields, "kv", raw.nbytes), raw]

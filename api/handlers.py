@@ -19,6 +19,7 @@ from kvstore.api import wire
 from kvstore.api.state import SidecarState
 from kvstore.errors import StoreBusy
 from kvstore.fetch_plan import FetchPlan
+from kvstore.page_slice import PageSlice
 
 Answer = tuple[dict, Any]  # a data route's answer: (fields, kv bytes or None; api/wire.py fetch_answer)
 Handler = Callable[[SidecarState, Any, dict, "str | None"], "Answer | Later"]
@@ -92,7 +93,7 @@ def fetch(state: SidecarState, transport: Any, body: dict, tenant: str | None) -
         with loop_store.unless_busy() as free:
             if free:
                 plan = loop_store.plan_fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt,
-                                             into=into)
+                                             into=into, heads=req.heads, layers=req.layers)
                 if plan.needs_io or plan.nbytes > state.config.inline_copy_bytes:
                     return Later(lambda: _read(plan.run(), req, into), lambda: release_plan(state, plan))
                 result = plan.run()
@@ -100,8 +101,8 @@ def fetch(state: SidecarState, transport: Any, body: dict, tenant: str | None) -
             return _read(result, req, into)
 
     def read() -> Answer:
-        return _read(kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt, into=into),
-                     req, into)
+        return _read(kvstore.fetch(req.model, req.tokens, start=req.start, tenant=tenant, salt=req.salt, into=into,
+                                   heads=req.heads, layers=req.layers), req, into)
     return Later(read)
 
 
@@ -140,14 +141,16 @@ class StoreJob:
     def __call__(self) -> Answer:
         req = self.req
         spec = self.kvstore.get_spec(req.model, tenant=self.tenant)
-        kv = wire.kv_tensor(self.raw, spec, len(req.tokens) - req.start, req.dtype)  # (L, 2, T, H, D)
+        part = PageSlice.of(spec, layers=req.layers, heads=req.heads)
+        kv = wire.kv_tensor(self.raw, spec, len(req.tokens) - req.start, req.dtype, part)  # (L, 2, T, H, D)
         return fields_of(self.put_kv(self.kvstore, kv)), None
 
 
 def _store(state: SidecarState, job: StoreJob) -> Answer | Later:
     """Run on the loop when small, nothing but copies into memory (ServerConfig.inline_copy_bytes,
-    `LoopStore.stores_in_memory`) and the store free; else on a thread."""
-    if job.nbytes <= state.config.inline_copy_bytes:
+    `LoopStore.stores_in_memory`) and the store free; else on a thread. A part of pages always
+    runs on a thread: a page it completes is stored whole then, which may wait for other stores."""
+    if job.nbytes <= state.config.inline_copy_bytes and job.req.heads is None and job.req.layers is None:
         loop_store = state.loop_store
         with loop_store.unless_busy() as free:
             if free and loop_store.stores_in_memory(job.nbytes):
@@ -161,7 +164,8 @@ def _store(state: SidecarState, job: StoreJob) -> Answer | Later:
 def store(state: SidecarState, transport: Any, body: dict, tenant: str | None) -> Answer | Later:
     req = wire.store_request(body)
     return _store(state, StoreJob(state, transport, req, lambda kvstore, kv: kvstore.store(
-        req.model, req.tokens, kv, start=req.start, tenant=tenant, salt=req.salt), tenant))
+        req.model, req.tokens, kv, start=req.start, tenant=tenant, salt=req.salt, heads=req.heads,
+        layers=req.layers), tenant))
 
 
 def store_chunk(state: SidecarState, transport: Any, body: dict, tenant: str | None) -> Answer | Later:

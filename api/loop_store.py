@@ -60,12 +60,13 @@ class LoopStore:
             return not state.placement.quotas and state.placement.fits(tiers.top, nbytes)
 
     def plan_fetch(self, model: str, tokens: Sequence[int], *, start: int, tenant: str | None, salt: str | None,
-                   into: torch.Tensor | None) -> FetchPlan:
+                   into: torch.Tensor | None, heads: Any = None, layers: Any = None) -> FetchPlan:
         """What `KVStore.fetch` would read, matched and pinned: `needs_io` says whether reading it
         waits on a record tier, `nbytes` how much it answers. `run()` it once, on any thread, or
         `release()` it. Called on the loop only inside `unless_busy` and without a shared tier
         (planning then probes nothing)."""
-        return self.store._plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, into=into)
+        return self.store._plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, into=into, heads=heads,
+                                      layers=layers)
 
     def learn_later(self, on: bool) -> None:
         """`KVStore.learn_later`: the app holds the policy's learning for after its answers."""

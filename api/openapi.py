@@ -37,6 +37,11 @@ _salt = {"type": "string", "minLength": 1, "maxLength": 256,
          "description": "cache salt (vLLM's cache_salt): pages stored under a salt are found under that salt "
                         "only, within the caller's tenant; absent: no salt"}
 
+_range = {"type": "array", "items": _int, "minItems": 2, "maxItems": 2}
+_heads = {**_range, "description": "[start, stop) of the model's KV heads (a tensor-parallel rank's): kv holds "
+                                   "only these; a page is served once all its heads are stored"}
+_layers = {**_range, "description": "[start, stop) of the model's layers (a pipeline stage's), as heads"}
+
 SCHEMAS: dict[str, Any] = {
     "ModelSpec": {
         "type": "object", "required": ["num_layers", "num_kv_heads", "head_dim"], "additionalProperties": False,
@@ -58,13 +63,15 @@ SCHEMAS: dict[str, Any] = {
                                     "kv": {**_kv, "description": _kv["description"] + "; covers tokens[start:]"},
                                     "shm": {**_shm, "description": "where kv's bytes are, instead of kv: "
                                                                    + _shm["description"]},
-                                    "start": _start, "salt": _salt,
+                                    "start": _start, "salt": _salt, "heads": _heads, "layers": _layers,
                                     "dtype": {"enum": list(DTYPE_BYTES),
                                               "description": "optional check of kv's dtype"}}},
     "StoreResult": {"type": "object", "required": ["stored_tokens", "new_pages"],
                     "properties": {"stored_tokens": _int, "new_pages": _int}},
     "FetchRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
                      "properties": {"model": _model, "tokens": _tokens, "start": _start, "salt": _salt,
+                                    "heads": {**_range, "description": "answer only these KV heads"},
+                                    "layers": {**_range, "description": "answer only these layers"},
                                     "shm": {**_shm, "description": "write the answer's kv here if it fits: "
                                                                    + _shm["description"]}}},
     "FetchResult": {"type": "object", "required": ["matched_tokens"],

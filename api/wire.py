@@ -33,6 +33,7 @@ from kvstore.gpu.dtypes import KV_DTYPE_NAMES, NUMPY_KV_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens
 from kvstore.keys import MAX_TOKEN_ID
+from kvstore.page_slice import WHOLE, PageSlice
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -57,6 +58,10 @@ class TokensRequest:
     start: int = 0
     shm: tuple[int, int] | None = None  # (offset, nbytes) of the connection's shared memory (api/shared_memory.py)
     salt: str | None = None  # pages under a salt are found under that salt only (checked by the store)
+    # A slice of the pages, (start, stop) each (kvstore/page_slice.py): a tensor-parallel rank's
+    # KV heads, a pipeline stage's layers. Checked by the store against the model's spec.
+    heads: Any = None
+    layers: Any = None
 
 
 @dataclass(slots=True)
@@ -162,14 +167,18 @@ def lookup_request(body: dict[str, Any]) -> TokensRequest:
 
 
 def fetch_request(body: dict[str, Any]) -> TokensRequest:
-    check_fields(body, ("model", "tokens"), ("start", "shm", "salt"))
+    check_fields(body, ("model", "tokens"), ("start", "shm", "salt", "heads", "layers"))
     toks = tokens(body["tokens"])
     return TokensRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)),
-                         shm_region(body.get("shm")), body.get("salt"))
+                         shm_region(body.get("shm")), body.get("salt"), body.get("heads"), body.get("layers"))
 
 
 def store_request(body: dict[str, Any]) -> StoreRequest:
-    check_fields(body, ("model", "tokens"), ("kv", "shm", "start", "dtype", "salt"))
+    return _store_request(body, ("kv", "shm", "start", "dtype", "salt", "heads", "layers"))
+
+
+def _store_request(body: dict[str, Any], optional: tuple[str, ...]) -> StoreRequest:
+    check_fields(body, ("model", "tokens"), optional)
     toks = tokens(body["tokens"])
     region = shm_region(body.get("shm"))
     if ("kv" in body) == (region is not None):
@@ -181,12 +190,11 @@ def store_request(body: dict[str, Any]) -> StoreRequest:
     if dtype is not None and (not isinstance(dtype, str) or dtype not in TORCH_DTYPES):  # a list would not even hash
         raise InvalidKV(f"dtype: must be one of {', '.join(TORCH_DTYPES)}, got {_show(dtype)}", field="dtype")
     return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), region,
-                        body.get("salt"), kv, dtype)
+                        body.get("salt"), body.get("heads"), body.get("layers"), kv, dtype)
 
 
 def chunk_store_request(body: dict[str, Any]) -> StoreRequest:
-    check_fields(body, ("model", "tokens"), ("kv", "shm", "dtype", "salt"))
-    return store_request(body)
+    return _store_request(body, ("kv", "shm", "dtype", "salt"))
 
 
 def shm_region(value: Any) -> tuple[int, int] | None:
@@ -239,20 +247,24 @@ def model_spec(body: dict[str, Any]) -> ModelSpec:
         raise InvalidModelSpec(str(exc), field=field) from None
 
 
-def kv_tensor(kv: memoryview, spec: ModelSpec, num_tokens: int, dtype: str | None = None) -> torch.Tensor:
-    """View the kv bytes as the (L, 2, T, H, D) tensor of `spec`, without copying."""
+def kv_tensor(kv: memoryview, spec: ModelSpec, num_tokens: int, dtype: str | None = None,
+              part: PageSlice = WHOLE) -> torch.Tensor:
+    """View the kv bytes as the (L, 2, T, H, D) tensor of `spec` (of `part`'s layers and heads
+    only, for a part), without copying."""
     if dtype is not None and dtype != spec.dtype:
         raise InvalidKV(f"kv: dtype {dtype} does not match the model's {spec.dtype}", field="kv")
-    expected = num_tokens * spec.bytes_per_token
+    per_token = part.bytes_per_token(spec)
+    expected = num_tokens * per_token
     if kv.nbytes != expected:
-        raise InvalidKV(f"kv: expected {num_tokens} tokens x {spec.bytes_per_token} bytes per token = "
+        raise InvalidKV(f"kv: expected {num_tokens} tokens x {per_token} bytes per token = "
                         f"{expected} bytes, got {kv.nbytes}", field="kv")
+    shape = part.kv_shape(spec, num_tokens)
     if not expected:
-        return torch.empty(spec.kv_shape(0), dtype=TORCH_DTYPES[spec.dtype])
+        return torch.empty(shape, dtype=TORCH_DTYPES[spec.dtype])
     np_dtype = NUMPY_KV_DTYPES.get(spec.dtype)
     if np_dtype is not None:  # viewed by numpy: torch.frombuffer and its view cost twice as much
-        return torch.from_numpy(np.frombuffer(kv, dtype=np_dtype).reshape(spec.kv_shape(num_tokens)))
-    return torch.frombuffer(kv, dtype=TORCH_DTYPES[spec.dtype]).view(spec.kv_shape(num_tokens))  # (L, 2, T, H, D)
+        return torch.from_numpy(np.frombuffer(kv, dtype=np_dtype).reshape(shape))
+    return torch.frombuffer(kv, dtype=TORCH_DTYPES[spec.dtype]).view(shape)  # (L, 2, T, H, D)
 
 
 def _error_for(name: str) -> type[InvalidRequest]:

@@ -60,26 +60,31 @@ class PageSlice:
         kv = kv if layers is None else kv[layers[0]:layers[1]]
         return kv if heads is None else kv[:, :, :, heads[0]:heads[1]]
 
-    def to_wire(self) -> dict[str, list[int]]:
-        """The request fields that name this slice (none for the whole page)."""
+    @staticmethod
+    def wire_fields(*, layers: Any = None, heads: Any = None) -> dict[str, list[int]]:
+        """A client's request fields naming a slice (none for the whole page), their form checked
+        here; the store checks them against the model's spec."""
         fields = {}
-        if self.layers is not None:
-            fields["layers"] = list(self.layers)
-        if self.heads is not None:
-            fields["heads"] = list(self.heads)
+        for name, value in (("layers", layers), ("heads", heads)):
+            if value is not None:
+                fields[name] = list(_pair(name, value))
         return fields
 
 
 WHOLE = PageSlice()  # the whole page: what every call without a slice reads or writes
 
 
-def _range(field: str, value: Any, size: int) -> Range | None:
-    if value is None:
-        return None
+def _pair(field: str, value: Any) -> Range:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2 \
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise InvalidRequest(f"{field}: expected (start, stop), two ints, got {value!r}", field=field)
-    start, stop = int(value[0]), int(value[1])
+    return int(value[0]), int(value[1])
+
+
+def _range(field: str, value: Any, size: int) -> Range | None:
+    if value is None:
+        return None
+    start, stop = _pair(field, value)
     if not 0 <= start < stop <= size:
         raise InvalidRequest(f"{field}: expected 0 <= start < stop <= {size} (the model's {field}), "
                              f"got ({start}, {stop})", field=field)

@@ -33,6 +33,8 @@ from kvstore.fetch_plan import FetchPlan, plan_fetch
 from kvstore.index import TOKEN_BYTES
 from kvstore.keys import chunk_key, salt_root
 from kvstore.kv_event_recorder import KVEventRecorder, KVEventSink
+from kvstore.page_parts import store_part
+from kvstore.page_slice import WHOLE, PageSlice
 from kvstore.page_writes import store_pages
 from kvstore.pinned_fetch import PinnedFetch
 from kvstore.rebuild import rebuild_index
@@ -173,6 +175,7 @@ class KVStore:
         state = self._state
         with self._lock:
             state.drain_lost_copies()
+            state.parts.expire()  # pages whose other parts never came: their memory goes back
             match = self._index.match(root_key, tb, entry.spec.page_size)
             tiers: dict[str, int] = {}
             done = 0
@@ -189,13 +192,18 @@ class KVStore:
 
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-              salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None) -> FetchResult:
+              salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None,
+              heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None) -> FetchResult:
         """KV of the longest cached prefix: `kv` covers tokens[start:matched_tokens].
 
         `into`: a flat uint8 CPU tensor the answer is written into (then `kv` views its first
         bytes) when it is large enough; a fresh tensor otherwise. The sidecar passes a region of
-        a client's shared memory here, an engine its own staging buffer."""
-        return self._plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, device=device, into=into).run()
+        a client's shared memory here, an engine its own staging buffer.
+
+        `heads` / `layers` (start, stop): only those KV heads / layers, (l, 2, T, h, D), copied
+        from the pages as they lie (a tensor-parallel rank's heads; kvstore/page_slice.py)."""
+        return self._plan_fetch(model, tokens, start=start, tenant=tenant, salt=salt, device=device, into=into,
+                                heads=heads, layers=layers).run()
 
     def fetch_pinned(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
                      salt: str | None = None, into: torch.Tensor | None = None) -> PinnedFetch:
@@ -217,16 +225,26 @@ class KVStore:
 
     # -- store -----------------------------------------------------------------------------
     def store(self, model: str, tokens: Sequence[int], kv: Any, *, start: int = 0,
-              tenant: str | None = None, salt: str | None = None) -> StoreResult:
-        """Store KV for tokens[start:] (the store must already hold tokens[:start])."""
+              tenant: str | None = None, salt: str | None = None, heads: tuple[int, int] | None = None,
+              layers: tuple[int, int] | None = None) -> StoreResult:
+        """Store KV for tokens[start:] (the store must already hold tokens[:start]).
+
+        `heads` / `layers` (start, stop): `kv` holds only those KV heads / layers, a part of each
+        page (a tensor-parallel rank's heads, a pipeline stage's layers). A page is seen by no
+        reader until every part of it is stored (kvstore/page_parts.py); `stored_tokens` then
+        counts the pages stored or holding this part. A part overlapping a different part of
+        the same page raises PartConflict; a part of a page already stored is a no-op."""
         entry = self._model(model, tenant)
         root_key = _root(entry, salt)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         n_tokens = len(tb) // TOKEN_BYTES
         start = check_start(start, n_tokens)
-        kv = check_kv(kv, entry.spec, n_tokens - start)
-        return store_pages(self._state, self._fetch_head(entry.namespace), root_key, entry.namespace, entry.spec, tb,
-                           kv, start)
+        part = PageSlice.of(entry.spec, layers=layers, heads=heads)
+        kv = check_kv(kv, entry.spec, n_tokens - start, part)
+        fetch_head = self._fetch_head(entry.namespace)
+        if not part.whole:
+            return store_part(self._state, fetch_head, root_key, entry.namespace, entry.spec, tb, kv, start, part)
+        return store_pages(self._state, fetch_head, root_key, entry.namespace, entry.spec, tb, kv, start)
 
     def store_chunk(self, model: str, tokens: Sequence[int], kv: Any, *, tenant: str | None = None,
                     salt: str | None = None) -> StoreResult:
@@ -275,7 +293,8 @@ class KVStore:
             return self._registry.register(model, spec, tenant)[1]
 
     def _plan_fetch(self, model: str, tokens: Sequence[int], *, start: int = 0, tenant: str | None = None,
-                    salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None) -> FetchPlan:
+                    salt: str | None = None, device: str = "cpu", into: torch.Tensor | None = None,
+                    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None) -> FetchPlan:
         """What `fetch` would read, matched and pinned (after a shared-tier probe, if there is
         one: I/O); `fetch` is `_plan_fetch(...).run()`. The sidecar plans on its event loop and
         runs a plan that needs I/O on a pool thread, so the prompt is matched once."""
@@ -284,8 +303,9 @@ class KVStore:
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
         start = check_start(start, len(tb) // TOKEN_BYTES)
         dev = _device(device)
+        part = WHOLE if heads is None and layers is None else PageSlice.of(entry.spec, layers=layers, heads=heads)
         probe_shared(self._state, root_key, entry.namespace, entry.spec, tb)  # returns at once without a shared tier
-        return plan_fetch(self._state, root_key, entry.spec, tb, start, dev, into=check_into(into, dev))
+        return plan_fetch(self._state, root_key, entry.spec, tb, start, dev, into=check_into(into, dev), part=part)
 
     # -- stats -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -22,6 +22,8 @@ import torch
 from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.index import Node, PageIndex
+from kvstore.page_slice import WHOLE, PageSlice
+from kvstore.partial_pages import PageParts
 from kvstore.placement import Placement
 from kvstore.registry import ModelRegistry
 from kvstore.store_audit import AuditCounts
@@ -47,6 +49,7 @@ class StoreState:
                                    size_in=tiers.size_in, raw_size_in=tiers.raw_size_in,
                                    tenant_of=self.registry.tenants_by_namespace.get)
         tiers.placement = self.placement
+        self.parts = PageParts(config.part_timeout_s, config.part_bytes)  # pages being written in parts
         self.clock = 0  # logical time of the last request that touched pages (policies' recency)
         self.counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,
                          "fetched_tokens": 0, "stored_pages": 0, "requested_tokens": 0}
@@ -81,5 +84,5 @@ class StoreState:
         return any(page.pins for page in self.index.subtree(node))
 
 
-def empty_kv(spec: ModelSpec, dev: torch.device) -> torch.Tensor:
-    return torch.empty(spec.kv_shape(0), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, 0, H, D)
+def empty_kv(spec: ModelSpec, dev: torch.device, part: PageSlice = WHOLE) -> torch.Tensor:
+    return torch.empty(part.kv_shape(spec, 0), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, 0, H, D)

@@ -28,7 +28,11 @@ def store_stats(state: StoreState) -> dict[str, Any]:
         for (tier, tenant), nbytes in placement.tenant_bytes.items():
             tenants.setdefault(tenant, {"max_bytes": None, "bytes": {}})["bytes"][tier] = nbytes
         corrupt = sum(tier.corrupt_records for tier in state.tiers.tiers.values())
+        parts = state.parts
+        parts.expire()
+        # Pages written in parts that are still waiting for their other parts (kvstore/page_parts.py).
+        waiting = {"pages": len(parts.pages), "bytes": parts.nbytes, "given_up": parts.expired}
         return {"tiers": tiers, "pages": len(state.index), "corrupt_records": corrupt,
                 "dropped_pages": placement.dropped_pages, "policy": state.config.policy,
-                "models": len(state.registry._models), "tenants": tenants,
+                "models": len(state.registry._models), "tenants": tenants, "partial_pages": waiting,
                 "audits": state.audits.as_stats(), **state.counters}

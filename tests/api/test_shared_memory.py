@@ -276,7 +276,7 @@ def test_a_broken_exchange_never_reuses_its_region(live_server, spec: ModelSpec,
         lost = full - arena.free_bytes()
         assert lost >= 2 * kv.numel() * 2  # both regions stay out of use
         assert torch.equal(client.fetch("m", range(8)).kv, kv)  # later calls use other regions
-        client._bytes_per_token["unknown"] = spec.bytes_per_token  # as if it had been fetched before
+        client._bytes_per_token[("unknown", "{}")] = spec.bytes_per_token  # as if it had been fetched before
         with pytest.raises(ModelNotFound):
             client.fetch("unknown", range(8))  # names a region; the sidecar answers 404
         with pytest.raises(InvalidTokens):
