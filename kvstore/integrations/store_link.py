@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from kvstore import KVStore, KVStoreClient, KVStoreError, ModelSpec, StoreConfig
 from kvstore.integrations.connector_config import ConnectorConfig
+from kvstore.page_slice import PageSlice
 from kvstore.pinned_fetch import PinnedFetch
 from kvstore.validation import check_salt
 
@@ -93,9 +94,14 @@ class RateLimitedWarning:
 class StoreLink:
     """lookup / fetch / store of one model's pages on behalf of requests with a given salt."""
 
-    def __init__(self, config: ConnectorConfig, model: str, spec: ModelSpec, *, url: str | None = None):
-        """With `url` (or `config.url`): that sidecar; else this process's store for `config.store`."""
+    def __init__(self, config: ConnectorConfig, model: str, spec: ModelSpec, *, url: str | None = None,
+                 heads: tuple[int, int] | None = None):
+        """With `url` (or `config.url`): that sidecar; else this process's store for `config.store`.
+        `heads`: the KV heads this link fetches and stores, a part of every page (a tensor-parallel
+        rank's, kvstore/page_parts.py); None: all of them."""
         self.config, self.model, self.spec = config, model, spec
+        self.heads = heads
+        self.part = PageSlice.of(spec, heads=heads)
         self.url = url or config.url
         self._store: KVStore | None = shared_store(config.store) if self.url is None else None
         self._clients: dict[str, KVStoreClient] = {}  # bearer token ("" for none) -> client
@@ -173,7 +179,8 @@ class StoreLink:
         `into` (a flat uint8 CPU tensor): where an in-process store writes the answer, or a
         sidecar's answer over TCP is received, when it fits (kv then views it); through shared
         memory the answer lands in the client's arena instead."""
-        result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt, into=into))
+        result = self._call("fetch", salt, lambda b: b.fetch(self.model, tokens, start=start, salt=salt, into=into,
+                                                             heads=self.heads))
         return self._checked(result, tokens, start)
 
     def fetch_in_place(self, tokens: Sequence[int], start: int, salt: str | None,
@@ -181,7 +188,8 @@ class StoreLink:
         """An in-process store's fetch with its pages left where they lie when they all are in
         its CPU tier: (matched, None, pinned), the caller reading `pinned.runs` and then
         releasing it. Otherwise `fetch`'s answer: (matched, kv, None); (0, None, None) on failure."""
-        assert self._store is not None, "fetch_in_place: only an in-process store's pages can be read in place"
+        assert self._store is not None and self.heads is None, \
+            "fetch_in_place: only an in-process store's whole pages are read in place"
 
         def read(store: KVStore) -> Any:
             pinned = store.fetch_pinned(self.model, tokens, start=start, salt=salt, into=into)
@@ -206,7 +214,7 @@ class StoreLink:
             return 0, None
         matched = min(int(result.matched_tokens), len(tokens))
         kv = result.kv
-        expected = self.spec.kv_shape(int(result.matched_tokens) - start)
+        expected = self.part.kv_shape(self.spec, int(result.matched_tokens) - start)
         if tuple(kv.shape) != expected or str(kv.dtype).removeprefix("torch.") != self.spec.dtype:
             self.warning.warn("kvstore fetch answered kv %s %s, expected %s %s; recomputing",
                               tuple(kv.shape), kv.dtype, expected, self.spec.dtype)
@@ -214,8 +222,10 @@ class StoreLink:
         return matched, kv
 
     def store(self, tokens: Sequence[int], kv: Any, start: int, salt: str | None) -> int | None:
-        """Store KV of tokens[start:]; the tokens the store now holds of `tokens`, None on failure."""
-        result = self._call("store", salt, lambda b: b.store(self.model, tokens, kv, start=start, salt=salt))
+        """Store KV of tokens[start:] (this link's heads); the tokens the store now holds of
+        `tokens` (for a part: whole, or holding this part), None on failure."""
+        result = self._call("store", salt, lambda b: b.store(self.model, tokens, kv, start=start, salt=salt,
+                                                             heads=self.heads))
         return None if result is None else int(result.stored_tokens)
 
     def close(self) -> None:

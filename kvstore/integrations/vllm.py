@@ -27,6 +27,7 @@ A request's cache_salt keeps its pages apart in every case: it is the store's sa
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from kvstore.integrations.connector_config import ConnectorConfig
 from kvstore.integrations.store_link import StoreLink
-from kvstore.integrations.vllm_model import spec_from_vllm, store_model_name
+from kvstore.integrations.vllm_model import RankHeads, rank_heads, spec_from_vllm, store_model_name
 from kvstore.integrations.vllm_scheduler import SchedulerSide, StepMeta
 from kvstore.integrations.vllm_worker import WorkerSide
 
@@ -71,6 +72,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.events: Any = None  # ConnectorEvents: what take_events reports (vllm_kv_events.py)
         self.worker: WorkerSide | None = None
+        self.rank = RankHeads(None, True)  # the worker's tensor-parallel rank's KV heads (vllm_model.py)
         self._sidecar: Any = None  # the loopback sidecar an in-process store is served to a worker process by
         self._store_url: str | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -85,9 +87,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(self.link, self.block_size, self.events, role=transfer.kv_role or "kv_both",
                                            load_async=self.config.load_async)
         else:
+            self.rank = rank = _rank_heads(vllm_config, spec)
             if self.config.url is not None:
-                self.link = StoreLink(self.config, model, spec)
-            self.worker = WorkerSide(self.link, spec, self.block_size)  # an in-process store: linked at the first step
+                self.link = StoreLink(self.config, model, spec, heads=rank.heads)
+            rank_spec = spec if rank.heads is None else dataclasses.replace(
+                spec, num_kv_heads=rank.heads[1] - rank.heads[0])
+            # An in-process store: linked at the first step.
+            self.worker = WorkerSide(self.link, rank_spec, self.block_size, stores=rank.stores)
         log.info("KVStoreConnector (%s): model %r, %s, page_size %d, block_size %d", role.name.lower(), model,
                  self.config.url or "in-process store", spec.page_size, self.block_size)
 
@@ -195,7 +201,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata) and self.worker is not None
         if self.link is None:  # an in-process store: the scheduler's, here or behind its loopback sidecar
-            self.link = StoreLink(self.config, self.model, self.spec, url=meta.store_url)
+            self.link = StoreLink(self.config, self.model, self.spec, url=meta.store_url, heads=self.rank.heads)
             self.worker.link = self.link
         return meta.step
 
@@ -242,3 +248,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._sidecar is not None:
             self._sidecar.__exit__(None, None, None)
             self._sidecar = None
+
+
+def _rank_heads(vllm_config: "VllmConfig", spec: Any) -> RankHeads:
+    """This worker's KV heads: its tensor-parallel rank's share of the model's (vllm_model.py)."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if tp_size == 1:
+        return RankHeads(None, True)
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return rank_heads(spec.num_kv_heads, tp_size, get_tensor_model_parallel_rank())

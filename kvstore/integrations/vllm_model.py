@@ -9,6 +9,7 @@ and how K was rotated (theta and the HF rope scaling without `rope_theta`, none 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvstore import ModelSpec
@@ -50,19 +51,51 @@ def model_spec(*, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: A
 
 
 def spec_from_vllm(vllm_config: Any, page_size: int) -> ModelSpec:
-    """The spec of the KV a vLLM engine computes. Refuses what one store page cannot describe:
-    tensor or pipeline parallelism (each rank holds part of the heads or layers), a quantized
-    KV cache, a block size the page size does not divide."""
+    """The spec of the KV a vLLM engine computes, all of its KV heads whatever the tensor-parallel
+    degree (a rank stores and loads its own heads of these pages: `rank_heads`). Refuses what the
+    connector does not move: pipeline parallelism, a quantized KV cache, a block size the page
+    size does not divide."""
     parallel, model, cache = vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError("KVStoreConnector: tensor_parallel_size and pipeline_parallel_size must be 1 "
-                         f"(got {parallel.tensor_parallel_size}, {parallel.pipeline_parallel_size})")
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("KVStoreConnector: pipeline_parallel_size must be 1 (the store takes pages by layer "
+                         f"range, but the connector does not yet split them by stage), got "
+                         f"{parallel.pipeline_parallel_size}")
     if cache.cache_dtype not in ("auto", None):
         raise ValueError(f"KVStoreConnector: kv_cache_dtype {cache.cache_dtype!r} is not supported (use auto)")
     block_size = cache.block_size
     if block_size % page_size:
         raise ValueError(f"kv_connector_extra_config.page_size: must divide vLLM's block_size {block_size}, "
                          f"got {page_size}")
-    return model_spec(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
+    return model_spec(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_total_num_kv_heads(),
                       head_dim=model.get_head_size(), kv_dtype=model.dtype, page_size=page_size,
                       hf_config=model.hf_text_config)
+
+
+@dataclass(frozen=True)
+class RankHeads:
+    """Which of a model's KV heads one tensor-parallel rank holds, and whether it stores them."""
+
+    heads: tuple[int, int] | None  # [start, stop) of the model's KV heads; None: all (TP = 1)
+    stores: bool  # False for a rank holding a replica another rank stores
+
+
+def rank_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> RankHeads:
+    """vLLM's split of the KV heads over `tp_size` ranks (QKVParallelLinear): `H / tp` heads a
+    rank when tp <= H; when tp > H each head is replicated on `tp / H` consecutive ranks, of which
+    the first stores it and every one loads it."""
+    if tp_size == 1:
+        return RankHeads(None, True)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} outside [0, {tp_size})")
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"KVStoreConnector: {num_kv_heads} KV heads do not split over tensor_parallel_size "
+                             f"{tp_size}")
+        per_rank = num_kv_heads // tp_size
+        return RankHeads((tp_rank * per_rank, (tp_rank + 1) * per_rank), True)
+    if tp_size % num_kv_heads:
+        raise ValueError(f"KVStoreConnector: tensor_parallel_size {tp_size} is not a multiple of the model's "
+                         f"{num_kv_heads} KV heads")
+    replicas = tp_size // num_kv_heads
+    head = tp_rank // replicas
+    return RankHeads((head, head + 1), tp_rank % replicas == 0)

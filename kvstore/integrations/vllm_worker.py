@@ -108,8 +108,11 @@ class _Save:
 
 
 class WorkerSide:
-    def __init__(self, link: StoreLink | None, spec: ModelSpec, block_size: int):
-        self.link, self.spec, self.block_size = link, spec, block_size
+    def __init__(self, link: StoreLink | None, spec: ModelSpec, block_size: int, *, stores: bool = True):
+        """`spec`: the KV this worker's paged cache holds, its tensor-parallel rank's KV heads
+        only (the link fetches and stores those heads of the store's pages). `stores`: False for
+        a rank whose heads another rank stores (a replica, when tp > the model's KV heads)."""
+        self.link, self.spec, self.block_size, self.stores = link, spec, block_size, stores
         self.layers: dict[str, torch.Tensor] = {}  # vLLM layer name -> its paged cache
         self.index: dict[str, int] = {}  # vLLM layer name -> store layer index
         self.layout: PagedLayout | None = None
@@ -194,7 +197,8 @@ class WorkerSide:
         B = self.block_size
         started = time.perf_counter()
         pinned = None
-        if in_place and self.link.in_process_store is not None and next(iter(self.layers.values())).is_cpu:
+        if in_place and self.link.in_process_store is not None and self.link.heads is None \
+                and next(iter(self.layers.values())).is_cpu:
             matched, kv, pinned = self.link.fetch_in_place(spec.tokens, spec.start, spec.salt, into)
         else:
             matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt, into)
@@ -336,6 +340,8 @@ class WorkerSide:
         self.stats["store_s"] += time.perf_counter() - started
 
     def _store(self, save: _Save) -> None:
+        if not self.stores:
+            return  # a replica of heads another rank stores
         spec, B = save.spec, self.block_size
         held = self.link.store(spec.tokens, save.buffer, spec.start, spec.salt)
         if held is not None and held < spec.start:

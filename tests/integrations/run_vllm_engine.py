@@ -1,7 +1,8 @@
 """Run one fresh vLLM engine with the kvstore connector in this process and print what it did.
 
     python run_vllm_engine.py '{"model": DIR, "extra": {...}, "prompts": [[...], ...],
-                                "max_tokens": 8, "engine": {...}}'
+                                "max_tokens": 8, "engine": {...}, "salts": [null | "salt", ...],
+                                "connector_module": "kvstore.integrations.vllm"}'
 
 prints one line `RESULT {"outputs": [{"tokens": [...], "cached": n}, ...]}`. The end-to-end
 tests start it as a new process: an engine whose own prefix cache is empty, as a restarted
@@ -20,10 +21,13 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+    module = job.get("connector_module", "kvstore.integrations.vllm")
+    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path=module,
                                 kv_role="kv_both", kv_connector_extra_config=job["extra"])
     llm = LLM(job["model"], kv_transfer_config=transfer, **job["engine"])
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    salts = job.get("salts") or [None] * len(job["prompts"])
+    prompts = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {}))
+               for p, salt in zip(job["prompts"], salts)]
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, detokenize=False)
     outputs = []
     for prompt in prompts:  # one at a time: each result is its own request's

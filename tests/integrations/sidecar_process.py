@@ -20,16 +20,17 @@ class Sidecar:
     one its health check sends (an authenticated sidecar answers nothing without one)."""
 
     def __init__(self, data_dir: Path, auth_file: Path | None = None, *, default_token: str | None = None,
-                 cpu_bytes: str = "0", disk_bytes: str = "64MiB"):
+                 cpu_bytes: str = "0", disk_bytes: str = "64MiB", extra_args: list[str] | None = None):
         self.data_dir, self.auth_file, self.port = data_dir, auth_file, free_port()
         self.default_token, self.cpu_bytes, self.disk_bytes = default_token, cpu_bytes, disk_bytes
+        self.extra_args = list(extra_args or [])  # more `kvstore serve` flags
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         command = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
                    "--data-dir", str(self.data_dir), "--cpu-bytes", self.cpu_bytes, "--disk-bytes", self.disk_bytes,
-                   "--log-level", "warning"]
+                   "--log-level", "warning", *self.extra_args]
         if self.auth_file is not None:
             command += ["--auth-file", str(self.auth_file)]
         self.proc = subprocess.Popen(command)

@@ -33,9 +33,9 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from integrations.decode_kv import decode_kv  # noqa: E402
 from integrations.sidecar_process import Sidecar  # noqa: E402
 from kvstore import KVStore, KVStoreClient, StoreConfig  # noqa: E402
-from kvstore.decode.attention import AttentionContext  # noqa: E402
 from kvstore.decode.engine import generate  # noqa: E402
 from kvstore.decode.loader import load_checkpoint  # noqa: E402
 from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
@@ -131,17 +131,6 @@ def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]],
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])["outputs"]
-
-
-def decode_kv(model, tokens: list[int]) -> torch.Tensor:
-    """The KV our decode loop computes for `tokens`: (L, 2, T, H, D)."""
-    cache = model.new_cache(len(tokens))
-    table = cache.new_table()
-    cache.reserve(table, len(tokens))
-    context = AttentionContext.for_span(cache, table, 0, len(tokens))
-    model(torch.tensor(tokens), torch.arange(len(tokens)), cache, context, logits="none")
-    table.num_tokens = len(tokens)
-    return cache.gather(table, 0, len(tokens))
 
 
 # -- the shared prefix, from one engine to the next ---------------------------------------------
