@@ -26,11 +26,13 @@ def free_port() -> int:
 
 
 class EngineServer:
-    """`role` None: no connector (vLLM with its own prefix cache alone)."""
+    """`role` None: no connector (vLLM with its own prefix cache alone). `tp` > 1: that many
+    tensor-parallel ranks, each a process of its own sharing the machine's cores."""
 
     def __init__(self, model: Path, role: str | None, store_url: str | None, log_path: Path,
-                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048):
+                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048, tp: int = 1):
         self.model, self.role, self.store_url, self.log_path = model, role, store_url, log_path
+        self.tp = tp
         self.kv_cache_bytes, self.max_model_len = kv_cache_bytes, max_model_len
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,6 +43,10 @@ class EngineServer:
                    "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK),
                    "--max-model-len", str(self.max_model_len), "--enforce-eager", "--enable-prompt-tokens-details",
                    "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        env = dict(os.environ)
+        if self.tp > 1:
+            command += ["--tensor-parallel-size", str(self.tp), "--distributed-executor-backend", "mp"]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # more ranks than cores: let them share
         if self.role is not None:
             transfer = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
                         "kv_role": self.role, "kv_connector_extra_config": {"url": self.store_url}}
@@ -49,7 +55,7 @@ class EngineServer:
         # A session of its own, so that kill() takes the engine core and worker processes vLLM
         # starts with it; and a SIGTERM if this process dies first (a graceful vLLM shutdown
         # stops them too), so that no engine outlives the test or bench that started it.
-        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_terminate_with_parent)
         return self
 

@@ -130,7 +130,8 @@ class Prompts:
 
 def make_engine(job: dict[str, Any], **engine: Any) -> Any:
     """vLLM's `LLM` for a job: its model, context and KV cache size, and the connector with
-    `job["extra"]` as its kv_connector_extra_config (None: no connector)."""
+    `job["extra"]` as its kv_connector_extra_config (None: no connector), from
+    `job["connector_module"]` (default kvstore.integrations.vllm)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -139,7 +140,8 @@ def make_engine(job: dict[str, Any], **engine: Any) -> Any:
                                   **engine)
     if job["extra"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm", kv_role="kv_both",
+            kv_connector="KVStoreConnector", kv_role="kv_both",
+            kv_connector_module_path=job.get("connector_module", "kvstore.integrations.vllm"),
             kv_connector_extra_config=job["extra"])
     return LLM(job["model"], **kwargs)
 

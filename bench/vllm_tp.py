@@ -1,0 +1,331 @@
+"""Pages shared across tensor-parallel degrees, on the real model: vLLM engines at TP=1 and TP=`--tp`
+reuse each other's pages (and the decode loop's) with the same text, a rank's failed store leaves
+nothing served, P/D runs across degrees, and a cross-degree hit's TTFT.
+
+    python bench/vllm_tp.py [--tp 3] [--tokens 2048] [--repeats 3] [--json out.json]
+
+The model is SmolLM2-135M-Instruct (30 layers, 9 query heads over 3 KV heads of 64, float32),
+served by vLLM's CPU build, every engine a fresh process whose ranks are processes of their
+own ("mp" executor; VLLM_CPU_OMP_THREADS_BIND=nobind: the ranks share the machine's cores). All
+engines talk to one `kvstore serve` sidecar (CPU tier). Prompts are real text (Python's
+documentation, as bench/vllm_ttft.py's), each `--tokens` long and distinct. Steps:
+
+    tp1 stores    a TP=1 engine prefills prompt A (storing it) and answers it
+    cross hit     a TP=`--tp` engine: a full prefill of A (a salt the store does not take: vLLM
+                  alone), then A again from its own prefix cache (best of --repeats), then A
+                  from the store with its own cache emptied (the TP=1 pages, each rank loading
+                  its heads; best of --repeats); TTFT of each, hit tokens, and the answers'
+                  greedy tokens; then prompt B, fresh, which its ranks store in parts; then a
+                  prompt whose rank 1 fails every store (bench/reliability/rank_fault_connector.py),
+                  twice: the sidecar then serves none of it, and the second answer is recomputed
+    tp1 loads     a fresh TP=1 engine answers B from the TP=`--tp` pages and with a full prefill
+    decode loop   kvstore's decode loop answers B from those pages and without the store
+    p/d           `kvstore proxy` with a kv_producer and a kv_consumer OpenAI server, at TP=1 and
+                  TP=`--tp` and the reverse, answering prompt C (completions, token ids): against
+                  the answer of one engine alone
+    slices        a 1/`--tp` head slice of a prompt's pages fetched from the sidecar against the
+                  whole pages, through shared memory and over TCP (best of 7)
+
+Targets (judged after the table, written to the JSON): a cross-degree hit loads every whole
+page the other degree stored; no page of the failed rank's prompt is served; at TP=`--tp` a
+store hit costs <= 0.25x a full prefill; a 1/3 head slice's fetch costs <= 0.45x the whole
+pages'. Answers must equal: hit and full prefill in each engine, the decode loop with and
+without the store, P/D and one engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.reliability.rank_fault_connector import FAULT_SALT  # noqa: E402
+from bench.vllm_server import EngineServer, free_port  # noqa: E402
+from bench.vllm_ttft import Prompts, make_engine, start_sidecar  # noqa: E402
+from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
+
+REAL_MODEL = "smollm2"
+UNSERVED_SALT = "unserved-" + "x" * MAX_SALT_BYTES  # too long for the store: vLLM alone computes it
+ANSWER_TOKENS = 16
+TARGETS = {"cross_hit_share_of_pages": 1.0, "fault_pages_served": 0, "hit_over_full_prefill": 0.25,
+           "slice_over_whole_fetch": 0.45}
+
+
+# -- one engine, in its own process ------------------------------------------------------------
+
+def engine_main(job: dict[str, Any]) -> dict[str, Any]:
+    """Run `job["steps"]` in order on one engine: each a prompt, its salt, whether vLLM's own
+    prefix cache is emptied first, and how many tokens to generate; -> per step the greedy
+    tokens, the store's hit (num_cached_tokens) and the seconds taken."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine: dict[str, Any] = dict(dtype="float32", tensor_parallel_size=job["tp"])
+    if job["tp"] > 1:
+        engine["distributed_executor_backend"] = "mp"
+    llm = make_engine(job, **engine)
+    out = []
+    for step in job["steps"]:
+        if step.get("reset"):
+            llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, detokenize=False, ignore_eos=True)
+        salt = {"cache_salt": step["salt"]} if step.get("salt") else {}
+        started = time.perf_counter()
+        answer = llm.generate([TokensPrompt(prompt_token_ids=step["tokens"], **salt)], params, use_tqdm=False)[0]
+        out.append({"name": step["name"], "seconds": time.perf_counter() - started,
+                    "cached": answer.num_cached_tokens, "tokens": list(answer.outputs[0].token_ids)})
+    llm.llm_engine.engine_core.shutdown()
+    return {"steps": out}
+
+
+def run_engine(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`engine_main(job)` in a fresh process: step name -> its results (the best time of steps
+    that share a name)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # the ranks import bench/
+    done = subprocess.run([sys.executable, __file__, "--engine-job", json.dumps(job)], capture_output=True, text=True,
+                          env=env, timeout=7200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"TP={job['tp']} engine failed:\n{done.stderr[-4000:]}")
+    best: dict[str, dict[str, Any]] = {}
+    for step in json.loads(lines[-1][len("ENGINE "):])["steps"]:
+        if step["name"] not in best or step["seconds"] < best[step["name"]]["seconds"]:
+            best[step["name"]] = step
+    return best
+
+
+def step(name: str, tokens: list[int], *, salt: str | None = None, reset: bool = False,
+         max_tokens: int = ANSWER_TOKENS) -> dict[str, Any]:
+    return {"name": name, "tokens": tokens, "salt": salt, "reset": reset, "max_tokens": max_tokens}
+
+
+# -- P/D through the proxy ----------------------------------------------------------------------
+
+async def complete(url: str, model: str, tokens: list[int]) -> list[int]:
+    body = {"model": model, "prompt": tokens, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async with session.post(url + "/v1/completions", json=body) as answer:
+            if answer.status != 200:
+                raise RuntimeError(f"{url}: {answer.status} {(await answer.text())[:500]}")
+            return list((await answer.json())["choices"][0]["token_ids"])
+
+
+def disaggregated(model: Path, work: Path, store_url: str, producer_tp: int, consumer_tp: int,
+                  tokens: list[int], max_model_len: int) -> list[int]:
+    """The answer of a kv_producer at `producer_tp` and a kv_consumer at `consumer_tp` behind `kvstore proxy`."""
+    prefill = EngineServer(model, "kv_producer", store_url, work / f"prefill-tp{producer_tp}.log",
+                           max_model_len=max_model_len, tp=producer_tp).start()
+    decode = EngineServer(model, "kv_consumer", store_url, work / f"decode-tp{consumer_tp}.log",
+                          max_model_len=max_model_len, tp=consumer_tp).start()
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill.url, "--decode",
+                              decode.url, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        prefill.wait_ready(1800)
+        decode.wait_ready(1800)
+        return asyncio.run(complete(f"http://127.0.0.1:{port}", str(model), tokens))
+    finally:
+        proxy.kill()
+        prefill.kill()
+        decode.kill()
+
+
+# -- head slices -------------------------------------------------------------------------------
+
+def slice_fetches(url: str, spec: Any, tokens: int, tp: int, repeats: int = 7) -> dict[str, float]:
+    """Best-of seconds of fetching a prompt's whole pages and a 1/`tp` head slice of them, and
+    of storing a prompt whole against storing it as `tp` head parts, one after another (a part's
+    staging copy is the cost parts add)."""
+    import torch
+
+    from kvstore import KVStoreClient
+
+    per_rank = spec.num_kv_heads // tp
+    prompt = list(range(7, 7 + tokens))
+    kv = torch.randn(spec.kv_shape(tokens), dtype=torch.float32)
+    parts = [kv[:, :, :, r * per_rank:(r + 1) * per_rank].contiguous() for r in range(tp)]
+    out: dict[str, float] = {}
+    for transport, shm in (("shm", None), ("tcp", 0)):
+        with KVStoreClient(url, shared_memory_bytes=shm, timeout_s=120) as client:
+            client.register_model("slices", spec)
+            stores: dict[str, list[float]] = {"whole": [], "parts": []}
+            for i in range(repeats):
+                fresh = [1000 + i + (transport == "tcp") * 500] + prompt[1:]  # a prompt no store holds
+                started = time.perf_counter()
+                client.store("slices", fresh, kv)
+                stores["whole"].append(time.perf_counter() - started)
+                fresh[0] += 100
+                started = time.perf_counter()
+                for r, part in enumerate(parts):
+                    client.store("slices", fresh, part, heads=(r * per_rank, (r + 1) * per_rank))
+                stores["parts"].append(time.perf_counter() - started)
+                assert client.lookup("slices", fresh).matched_tokens == tokens
+            out[f"{transport}_store_whole_s"], out[f"{transport}_store_parts_s"] = (min(stores["whole"]),
+                                                                                    min(stores["parts"]))
+            client.store("slices", prompt, kv)
+            for name, heads in (("whole", None), ("slice", (0, per_rank))):
+                times = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    got = client.fetch("slices", prompt, heads=heads)
+                    times.append(time.perf_counter() - started)
+                    assert got.matched_tokens == tokens
+                    del got
+                out[f"{transport}_{name}_s"] = min(times)
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=3, help="the tensor-parallel degree next to TP=1")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens of each prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per hit measurement (best of)")
+    parser.add_argument("--skip-pd", action="store_true", help="leave out the P/D deployments (4 engine servers)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--engine-job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.engine_job:
+        print("ENGINE " + json.dumps(engine_main(json.loads(args.engine_job))), flush=True)
+        return 0
+    from kvstore import KVStoreClient
+    from kvstore.decode.engine import generate
+    from kvstore.decode.loader import load_checkpoint
+    from kvstore.decode.model_pull import pull
+    from kvstore.integrations.vllm_model import rank_heads
+
+    directory = pull(REAL_MODEL)
+    model = load_checkpoint(directory, name=directory.name)
+    spec = model.spec
+    rank_heads(spec.num_kv_heads, args.tp, 0)  # refuses a degree vLLM would refuse, before any engine starts
+    prompt = Prompts(str(directory), 0, True)
+    a, b, c, d, fault = (prompt(args.tokens, salt=s) for s in (1, 2, 3, 4, 5))
+    max_model_len = args.tokens + 256
+    base = dict(model=str(directory), max_model_len=max_model_len, kv_cache_bytes=max(1 << 30, 6 * spec.bytes_per_token
+                                                                                      * max_model_len))
+    results: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens}
+    whole_pages = (args.tokens - 1) // 32 * 32  # vLLM loads whole blocks, the last prompt token recomputed
+    with tempfile.TemporaryDirectory(prefix="vllm-tp-") as tmp, \
+            tqdm(total=7 if not args.skip_pd else 5, desc="vllm_tp", unit="step", file=sys.stderr) as bar:
+        root = Path(tmp)
+        sidecar, url = start_sidecar(root / "sidecar", "4GiB")
+        extra = {"url": url, "timeout_s": 120}
+        try:
+            results["tp1_stores"] = run_engine(dict(base, tp=1, extra=extra, steps=[step("a", a)]))
+            bar.update()
+            steps = [step("warmup", d, salt=UNSERVED_SALT, max_tokens=1),
+                     step("full", a, salt=UNSERVED_SALT, max_tokens=1)]
+            steps += [step("own_hit", a, salt=UNSERVED_SALT, max_tokens=1) for _ in range(args.repeats)]
+            steps += [step("store_hit", a, reset=True, max_tokens=1) for _ in range(args.repeats)]
+            steps += [step("a_hit_answer", a, reset=True), step("a_full_answer", a, salt=UNSERVED_SALT),
+                      step("b", b), step("fault", fault, salt=FAULT_SALT), step("fault_again", fault, salt=FAULT_SALT)]
+            results["tpn"] = run_engine(dict(base, tp=args.tp, extra=extra, steps=steps,
+                                             connector_module="bench.reliability.rank_fault_connector"))
+            bar.update()
+            with KVStoreClient(url, timeout_s=120) as client:
+                results["fault_lookup"] = client.lookup(directory.name, fault, salt=FAULT_SALT).matched_tokens
+                results["fault_partial_pages"] = client.stats()["partial_pages"]
+                results["b_lookup"] = client.lookup(directory.name, b).matched_tokens
+                results["tp1_loads"] = run_engine(dict(base, tp=1, extra=extra, steps=[
+                    step("b_hit", b), step("b_full", b, salt=UNSERVED_SALT)]))
+                bar.update()
+                warm = generate(model, b, ANSWER_TOKENS, client, store=False, stop_token_ids=())
+                cold = generate(model, b, ANSWER_TOKENS, None, stop_token_ids=())
+                results["decode_loop"] = {"reused": warm.reused_tokens, "same": warm.tokens == cold.tokens,
+                                          "tokens": warm.tokens, "cold_tokens": cold.tokens}
+            bar.update()
+            if not args.skip_pd:
+                reference = run_engine(dict(base, tp=1, extra=None, steps=[step("c", c)]))["c"]["tokens"]
+                results["pd"] = {"reference": reference}
+                for producer, consumer in ((1, args.tp), (args.tp, 1)):
+                    results["pd"][f"tp{producer}->tp{consumer}"] = disaggregated(
+                        directory, root, url, producer, consumer, c if producer == 1 else list(reversed(c)),
+                        max_model_len)
+                    bar.update()
+                results["pd"]["reference_reversed"] = run_engine(dict(base, tp=1, extra=None, steps=[
+                    step("c", list(reversed(c)))]))["c"]["tokens"]
+            results["slices"] = slice_fetches(url, spec, args.tokens, args.tp)
+            bar.update()
+        finally:
+            sidecar.kill()
+            sidecar.wait(30)
+    checks = judge(results, whole_pages)
+    print_table(results, checks)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"results": results, "targets": TARGETS, "checks": checks}, indent=2))
+    return 0 if all(check["met"] for check in checks) else 1
+
+
+def judge(results: dict[str, Any], whole_pages: int) -> list[dict[str, Any]]:
+    tpn, tp1 = results["tpn"], results["tp1_loads"]
+    checks = [
+        {"check": "TP=n loads TP=1's pages: share of the whole pages",
+         "value": tpn["store_hit"]["cached"] / whole_pages,
+         "limit": TARGETS["cross_hit_share_of_pages"], "met": tpn["store_hit"]["cached"] == whole_pages},
+        {"check": "TP=1 loads TP=n's pages: share of the whole pages", "value": tp1["b_hit"]["cached"] / whole_pages,
+         "limit": TARGETS["cross_hit_share_of_pages"], "met": tp1["b_hit"]["cached"] == whole_pages},
+        {"check": "pages of the failed rank's prompt served", "value": results["fault_lookup"]
+         + tpn["fault_again"]["cached"], "limit": 0,
+         "met": results["fault_lookup"] == 0 and tpn["fault_again"]["cached"] == 0},
+        {"check": "TP=n store hit / full prefill (TTFT)", "value": tpn["store_hit"]["seconds"] / tpn["full"]["seconds"],
+         "limit": TARGETS["hit_over_full_prefill"],
+         "met": tpn["store_hit"]["seconds"] <= TARGETS["hit_over_full_prefill"] * tpn["full"]["seconds"]},
+    ]
+    for transport in ("shm", "tcp"):
+        ratio = results["slices"][f"{transport}_slice_s"] / results["slices"][f"{transport}_whole_s"]
+        checks.append({"check": f"1/{results['tp']} head slice / whole pages fetch ({transport})", "value": ratio,
+                       "limit": TARGETS["slice_over_whole_fetch"], "met": ratio <= TARGETS["slice_over_whole_fetch"]})
+    same = [("TP=n: store hit's answer == its full prefill's",
+             tpn["a_hit_answer"]["tokens"] == tpn["a_full_answer"]["tokens"]),
+            ("TP=n: the failed rank's prompt, recomputed, answers the same", tpn["fault"]["tokens"]
+             == tpn["fault_again"]["tokens"]),
+            ("TP=1: store hit's answer == its full prefill's", tp1["b_hit"]["tokens"] == tp1["b_full"]["tokens"]),
+            ("decode loop: from TP=n's pages == without the store", results["decode_loop"]["same"])]
+    if "pd" in results:
+        pd = results["pd"]
+        n = results["tp"]
+        same += [(f"P/D TP=1 -> TP={n} == one engine", pd[f"tp1->tp{n}"] == pd["reference"]),
+                 (f"P/D TP={n} -> TP=1 == one engine", pd[f"tp{n}->tp1"] == pd["reference_reversed"])]
+    checks += [{"check": name, "value": ok, "limit": True, "met": bool(ok)} for name, ok in same]
+    return checks
+
+
+def print_table(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
+    tpn, n = results["tpn"], results["tp"]
+    print(f"SmolLM2-135M-Instruct, float32, {results['tokens']}-token prompts; TP=1 and TP={n}")
+    print(f"TP={n} TTFT: full prefill {tpn['full']['seconds']:.2f} s, own prefix-cache hit "
+          f"{tpn['own_hit']['seconds']:.3f} s, store hit of TP=1's pages {tpn['store_hit']['seconds']:.3f} s "
+          f"({tpn['store_hit']['cached']} tokens loaded); hit / full "
+          f"{tpn['store_hit']['seconds'] / tpn['full']['seconds']:.3f}, hit / own hit "
+          f"{tpn['store_hit']['seconds'] / tpn['own_hit']['seconds']:.2f}")
+    s = results["slices"]
+    print(f"fetch of the whole pages / a 1/{n} head slice: shared memory {1e3 * s['shm_whole_s']:.1f} / "
+          f"{1e3 * s['shm_slice_s']:.1f} ms, TCP {1e3 * s['tcp_whole_s']:.1f} / {1e3 * s['tcp_slice_s']:.1f} ms")
+    print(f"store of the whole pages / as {n} head parts: shared memory {1e3 * s['shm_store_whole_s']:.1f} / "
+          f"{1e3 * s['shm_store_parts_s']:.1f} ms, TCP {1e3 * s['tcp_store_whole_s']:.1f} / "
+          f"{1e3 * s['tcp_store_parts_s']:.1f} ms")
+    print(f"the failed rank's prompt: {results['fault_partial_pages']['pages']} pages waiting for their other "
+          f"parts, {results['fault_lookup']} tokens served")
+    for check in checks:
+        value = check["value"] if isinstance(check["value"], bool) else f"{check['value']:.3f}"
+        print(f"  {check['check']}: {value} (limit {check['limit']}) -> {'met' if check['met'] else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
