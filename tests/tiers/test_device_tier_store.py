@@ -19,6 +19,7 @@ from kvstore import KVStore, ModelSpec, StoreConfig
 from kvstore.codecs import get_codec
 from kvstore.tiers.cpu import CPUTier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GPUTier
 from kvstore.tiers.redis import RedisTier
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
@@ -58,14 +59,21 @@ def _page_tiers(store: KVStore, tokens: list[int]) -> list[str]:
     return tiers
 
 
+@pytest.fixture(params=[OffHostTier, pytest.param(GPUTier, marks=pytest.mark.gpu)], ids=["stand-in", "cuda"])
+def top(request) -> type:
+    """The device tier on top: the stand-in everywhere, the real GPU tier where CUDA is."""
+    return request.param
+
+
 @pytest.fixture
-def make_store(tmp_path, monkeypatch):
-    monkeypatch.setattr(kvstore.tier_stack, "TIER_TYPES", (OffHostTier, CPUTier, DiskTier, RedisTier))
+def make_store(tmp_path, monkeypatch, top):
     monkeypatch.setattr(OffHostTier, "made", [])
     stores: list[KVStore] = []
 
-    def make(**fields) -> KVStore:
-        settings = {"data_dir": str(tmp_path / "data"), "gpu_bytes": 4 * OffHostTier.slot_bytes(SPEC.page_bytes),
+    def make(*, device_tier: type | None = None, **fields) -> KVStore:
+        tier = device_tier or top
+        monkeypatch.setattr(kvstore.tier_stack, "TIER_TYPES", (tier, CPUTier, DiskTier, RedisTier))
+        settings = {"data_dir": str(tmp_path / "data"), "gpu_bytes": 4 * tier.slot_bytes(SPEC.page_bytes),
                     "cpu_bytes": 0, "disk_bytes": 0, **fields}
         store = KVStore(StoreConfig(**settings))
         store.register_model("m", SPEC)
@@ -112,8 +120,12 @@ def _check_cascade(store: KVStore, codecs: dict[str, str]) -> list[tuple[list[in
 def test_device_pages_reach_disk_as_host_bytes(make_store):
     """The device directly over the disk: every demotion is a device page written as a record."""
     store = make_store(disk_bytes=1 << 20)
+    demotions = store.stats()["tiers"]["gpu"]["demotions"]
     _check_cascade(store, {"disk": "none"})
-    assert OffHostTier.made[0].copies_out >= 3 * SEQUENCES - 4  # encoded on the device, then copied down
+    demotions = store.stats()["tiers"]["gpu"]["demotions"] - demotions
+    assert demotions >= 3 * SEQUENCES - 4
+    if OffHostTier.made:  # every one encoded on the device, then copied down
+        assert OffHostTier.made[0].copies_out == demotions
 
 
 @pytest.mark.parametrize("cpu_codec,disk_codec", [("none", "none"), ("int8", "int8"), ("none", "fp8"),
@@ -185,3 +197,29 @@ def test_device_pages_reach_redis_as_host_bytes(make_store, tmp_path, disk_codec
         other.close()
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top", [GPUTier], ids=["cuda"])
+@pytest.mark.parametrize("cpu_codec,disk_codec", [("none", "none"), ("int8", "int8"), ("none", "fp8")])
+def test_gpu_store_serves_what_the_cpu_only_store_serves(make_store, tmp_path, cpu_codec, disk_codec):
+    """The same requests to a store with the GPU tier on top and to one with the stand-in (CPU
+    only: the codecs' torch references instead of the CUDA kernels) get the same answers, bit
+    for bit, before and after close and reopen."""
+    answers = {}
+    for tier in (GPUTier, OffHostTier):
+        config = {"data_dir": str(tmp_path / tier.__name__), "cpu_bytes": 6 * CPUTier.slot_bytes(SPEC.page_bytes),
+                  "disk_bytes": 1 << 20, "cpu_codec": cpu_codec, "disk_codec": disk_codec}
+        store = make_store(device_tier=tier, **config)
+        got = []
+        for tokens, kv in _sequences():
+            store.store("m", tokens, kv)
+        for tokens, _ in _sequences() + _sequences()[::-1]:
+            got.append((store.lookup("m", tokens).tiers, store.fetch("m", tokens).kv.view(torch.int16)))
+        assert store.flush(FLUSH_S)
+        store.close()
+        reopened = make_store(device_tier=tier, **config)
+        got += [(None, reopened.fetch("m", tokens).kv.view(torch.int16)) for tokens, _ in _sequences()]
+        answers[tier] = got
+    for (tiers, kv), (ref_tiers, ref_kv) in zip(answers[GPUTier], answers[OffHostTier], strict=True):
+        assert tiers == ref_tiers and torch.equal(kv, ref_kv)
