@@ -103,6 +103,23 @@ def test_a_refused_store_reports_nothing(tmp_path):
     store.close()
 
 
+def test_pages_stored_in_parts_are_reported_once_whole(tmp_path):
+    """Tensor-parallel ranks' head parts: no event until a page has every head, then the same
+    events a whole store reports."""
+    store = open_store(tmp_path, disk_bytes=0)
+    log = KVEventLog()
+    store.attach_kv_events(log)
+    log.take(store)
+    tokens, whole = list(range(1, 11)), kv(10)
+    store.store("m", tokens, whole[:, :, :, :1].contiguous(), heads=(0, 1))
+    assert log.take(store) == []
+    store.store("m", tokens, whole[:, :, :, 1:].contiguous(), heads=(1, 2))
+    stored = log.take(store)
+    assert [type(e) for e in stored] == [BlockStored] * 3
+    assert [e.token_ids for e in stored] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    store.close()
+
+
 def test_demotion_and_promotion_move_a_page_between_media(tmp_path):
     store = open_store(tmp_path, cpu_bytes=SPEC.page_bytes * 2 + 64)
     log, view = KVEventLog(), KVEventView()
