@@ -1,11 +1,22 @@
-"""GB/s of every gpu/ kernel next to its torch equivalent and the device's peak memory bandwidth,
-plus demotion/promotion (GPU tier <-> pinned host, int8 on the device) next to a plain pinned copy.
+"""The store's GPU paths, each timed beside a plain copy of the same bytes in the same run, and
+reported as a share of it (the copy's time over the path's: 1.0 is copy speed):
 
-    python bench/kernels.py [--json FILE] [--page-kib 64 256 1024 2048] [--batches 1 8 32 128 256]
+    path                           as the store runs it                               baseline, target
+    gather / scatter               gpu/paged.py kernels, all layers in one launch     device-to-device copy, >= 0.8x
+    quantize / dequantize int8|fp8 the codecs' encode / decode on CUDA tensors        device-to-device copy of as many
+                                   (the kernels, into the slot's views)               bytes read + written, >= 0.7x
+    demote none|int8               the placement's eviction of a GPU page to the      one pinned device->host copy of
+                                   CPU tier: TierStack.copy_down (encode on the       the pages' raw bytes, >= 0.8x
+                                   device, copy, synchronize) page by page
+    promote                        TierStack.promote of a hit from its fetch answer   one pinned host->device copy of
+                                   (pageable host memory) into a new GPU slot         the pages' raw bytes, >= 0.8x
+    rope_rerotate                  the CacheBlend kernel                              reported, no target
+
+    python bench/kernels.py [--json FILE] [--page-kib 64 512 2048] [--batches 1 8 64]
 
 GPU only (CUDA + CuPy). Pages are float16 KV of H=8 heads, D=128, P=16 tokens; the layer count sets
-the page size (64 KiB = 1 layer … 2 MiB = 32 layers). GB/s counts bytes read plus bytes written,
-so it compares directly with the memory bandwidth; PCIe rows count the raw KV bytes moved.
+the page size. The JSON has every row and, under "targets", each path's worst share against its
+target (bench/gpu_check.sh prints them).
 """
 from __future__ import annotations
 
@@ -21,18 +32,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
+from kvstore.codecs import get_codec  # noqa: E402
 from kvstore.gpu import runtime  # noqa: E402
+from kvstore.gpu.dtypes import NUMPY_DTYPES  # noqa: E402
 from kvstore.gpu.paged import gather_pages, scatter_pages  # noqa: E402
-from kvstore.gpu.quant import dequantize, dequantize_ref, quantize, quantize_ref  # noqa: E402
-from kvstore.gpu.rope import rope_rerotate, rope_rerotate_ref  # noqa: E402
-from kvstore.codecs import as_kv, get_codec  # noqa: E402
-from kvstore.config import ModelSpec  # noqa: E402
+from kvstore.gpu.rope import rope_rerotate  # noqa: E402
+from kvstore.tiers.gpu import GPUTier  # noqa: E402
 
 H, D, P = 8, 128, 16
 TARGET_S = 0.05  # time each measurement for about this long
+# The share of its copy baseline each path must reach (on an H200).
+TARGETS = {"gather": ("device copy", 0.8), "scatter": ("device copy", 0.8),
+           "quantize_int8": ("device copy", 0.7), "dequantize_int8": ("device copy", 0.7),
+           "quantize_fp8": ("device copy", 0.7), "dequantize_fp8": ("device copy", 0.7),
+           "demote_none": ("pinned D2H copy", 0.8), "demote_int8": ("pinned D2H copy", 0.8),
+           "promote": ("pinned H2D copy", 0.8)}
 
 
-def time_s(fn: Callable[[], Any], *, min_iters: int = 3) -> float:
+def device_time_s(fn: Callable[[], Any]) -> float:
     """Mean seconds per call on the GPU, after warm-up, with CUDA events."""
     for _ in range(2):
         fn()
@@ -43,7 +61,7 @@ def time_s(fn: Callable[[], Any], *, min_iters: int = 3) -> float:
     end.record()
     end.synchronize()
     once = max(start.elapsed_time(end) / 1e3, 1e-6)
-    iters = max(min_iters, min(200, int(TARGET_S / once)))
+    iters = max(3, min(200, int(TARGET_S / once)))
     start.record()
     for _ in range(iters):
         fn()
@@ -52,148 +70,157 @@ def time_s(fn: Callable[[], Any], *, min_iters: int = 3) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def peak_bandwidth_gbs() -> float | None:
-    """Theoretical DRAM bandwidth from the device's memory clock and bus width (DDR: x2)."""
-    cupy = runtime.require_kernels()
-    dev = torch.cuda.current_device()
-    try:
-        clock_khz = cupy.cuda.runtime.deviceGetAttribute(36, dev)  # cudaDevAttrMemoryClockRate
-        bus_bits = cupy.cuda.runtime.deviceGetAttribute(37, dev)  # cudaDevAttrGlobalMemoryBusWidth
-    except Exception:
-        return None
-    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
+def wall_time_s(fn: Callable[[], None], reset: Callable[[], None] | None = None) -> float:
+    """Mean host wall seconds per call (the store's per-page Python and synchronisation
+    included); `reset`, untimed, undoes a call before the next."""
+    samples: list[float] = []
+    total = 0.0
+    while len(samples) < 4 or total < TARGET_S:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+        total += samples[-1]
+        if reset is not None:
+            reset()
+    return sum(samples[1:]) / (len(samples) - 1)  # the first call warms up
 
 
-def copy_bandwidth_gbs() -> float:
-    """What a plain device-to-device copy reaches (bytes read + written): the practical ceiling."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / time_s(lambda: b.copy_(a)) / 1e9
+def device_copy_s(nbytes: int) -> float:
+    src = torch.empty(max(1, nbytes), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return device_time_s(lambda: dst.copy_(src))
 
 
-def run(page_kib: list[int], batches: list[int], peak: float | None, ceiling: float) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+class Rows:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
 
-    def record(kernel: str, page_bytes: int, batch: int, nbytes: int, ours_s: float, base_s: float, base: str) -> None:
-        gbs, base_gbs = nbytes / ours_s / 1e9, nbytes / base_s / 1e9
-        row = {"kernel": kernel, "page_bytes": page_bytes, "batch": batch, "bytes": nbytes, "seconds": ours_s,
-               "gbs": gbs, "baseline": base, "baseline_gbs": base_gbs, "vs_baseline": gbs / base_gbs,
-               "pct_peak": None if peak is None else 100 * gbs / peak, "pct_copy": 100 * gbs / ceiling}
-        rows.append(row)
-        pct = "" if peak is None else f" {row['pct_peak']:5.1f}% of peak"
-        print(f"{kernel:14s} page {page_bytes >> 10:5d} KiB x {batch:3d}: {gbs:8.1f} GB/s{pct}, "
-              f"{row['vs_baseline']:5.2f}x {base} ({base_gbs:.1f} GB/s)", flush=True)
+    def add(self, path: str, page_bytes: int, batch: int, path_s: float, baseline_s: float, baseline: str) -> None:
+        share = baseline_s / path_s
+        self.rows.append({"path": path, "page_bytes": page_bytes, "batch": batch, "seconds": path_s,
+                          "baseline": baseline, "baseline_seconds": baseline_s, "share": share})
+        print(f"{path:16s} page {page_bytes >> 10:5d} KiB x {batch:3d}: {path_s * 1e6:9.1f} us, "
+              f"{baseline} {baseline_s * 1e6:9.1f} us: {share:5.2f}x", flush=True)
 
-    int8 = get_codec("int8")
-    for kib in page_kib:
-        L = max(1, (kib << 10) // (2 * P * H * D * 2))
-        spec = ModelSpec(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16", page_size=P)
-        for n in batches:
-            _device_rows(spec, n, record)
-            if n <= 64:  # PCIe rows: per-page calls, as the store makes them
-                _pcie(spec, n, record, int8)
-            torch.cuda.empty_cache()  # the batch's tensors died with _device_rows' frame
-    return rows
+    def targets(self) -> list[dict[str, Any]]:
+        checks = []
+        for path, (baseline, at_least) in TARGETS.items():
+            rows = [r for r in self.rows if r["path"] == path]
+            if rows:
+                worst = min(rows, key=lambda r: r["share"])
+                checks.append({"path": path, "baseline": baseline, "at_least": at_least, "worst": worst["share"],
+                               "worst_at": {"page_bytes": worst["page_bytes"], "batch": worst["batch"]},
+                               "met": worst["share"] >= at_least})
+        return checks
 
 
-def _device_rows(spec: ModelSpec, n: int, record: Callable[..., None]) -> None:
-    """The on-device kernels for a batch of `n` pages, each next to its torch equivalent."""
-    L, pb = spec.num_layers, spec.page_bytes
+def device_rows(spec: ModelSpec, n: int, rows: Rows) -> None:
+    """The on-device kernels for a batch of `n` pages, each beside a device copy of its traffic."""
+    L, pb, T = spec.num_layers, spec.page_bytes, n * spec.page_size
     nb = max(2 * n, 64)
     cache = torch.randn(nb, L, 2, P, H, D, device="cuda", dtype=torch.float16)  # (num_blocks, L, 2, P, H, D)
     ids = torch.randperm(nb, device="cuda")[:n].contiguous()
-    kv = torch.empty(L, 2, n * P, H, D, device="cuda", dtype=torch.float16)  # (L, 2, T, H, D)
-    blocks = torch.empty(n, L, 2, P, H, D, device="cuda", dtype=torch.float16)
-    moved = 2 * n * pb
-    record("gather", pb, n, moved, time_s(lambda: gather_pages(cache, ids, out=kv, check_bounds=False)),
-           time_s(lambda: torch.index_select(cache, 0, ids, out=blocks)), "index_select")
-    record("scatter", pb, n, moved, time_s(lambda: scatter_pages(kv, cache, ids, check_bounds=False)),
-           time_s(lambda: cache.index_copy_(0, ids, blocks)), "index_copy_")
-    scale_rows = kv.numel() // D
+    kv = torch.randn(L, 2, T, H, D, device="cuda", dtype=torch.float16)  # (L, 2, T, H, D)
+    copy_s = device_copy_s(n * pb)  # reads and writes n pages: the same traffic as gather/scatter
+    rows.add("gather", pb, n, device_time_s(lambda: gather_pages(cache, ids, out=kv, check_bounds=False)),
+             copy_s, "device copy")
+    rows.add("scatter", pb, n, device_time_s(lambda: scatter_pages(kv, cache, ids, check_bounds=False)),
+             copy_s, "device copy")
     for fmt in ("int8", "fp8"):
-        q = torch.empty(kv.shape, device="cuda", dtype=torch.uint8)
-        s = torch.empty(kv.shape[:-1], device="cuda", dtype=torch.bfloat16)
-        qbytes = kv.numel() * 3 + scale_rows * 2  # read 2 B, write 1 B per element, plus scales
-        record(f"quantize_{fmt}", pb, n, qbytes, time_s(lambda: quantize(kv, fmt, q_out=q, scale_out=s)),
-               time_s(lambda: quantize_ref(kv, fmt)), "torch ops")
-        qv, sv = quantize(kv, fmt)
-        record(f"dequantize_{fmt}", pb, n, qbytes, time_s(lambda: dequantize(qv, sv, fmt, torch.float16, out=kv)),
-               time_s(lambda: dequantize_ref(qv, sv, torch.float16)), "torch ops")
+        codec = get_codec(fmt)
+        data = torch.empty(codec.encoded_bytes(spec, T), dtype=torch.uint8, device="cuda")
+        same = device_copy_s((n * pb + data.numel()) // 2)  # as many bytes read + written
+        rows.add(f"quantize_{fmt}", pb, n, device_time_s(lambda: codec.encode(spec, kv, data)), same, "device copy")
+        rows.add(f"dequantize_{fmt}", pb, n, device_time_s(lambda: codec.decode(spec, data, T, kv)), same,
+                 "device copy")
     k = kv[:, 0]
-    delta = torch.full((n * P,), 4096, device="cuda")
-    record("rope_rerotate", pb, n, 2 * k.numel() * 2,
-           time_s(lambda: rope_rerotate(k, delta, theta=5e5, style="neox", out=k)),
-           time_s(lambda: rope_rerotate_ref(k, delta, theta=5e5, style="neox")), "torch ops")
+    delta = torch.full((T,), 4096, device="cuda")
+    rows.add("rope_rerotate", pb, n, device_time_s(lambda: rope_rerotate(k, delta, theta=5e5, style="neox", out=k)),
+             device_copy_s(k.numel() * k.element_size()), "device copy")
 
 
-def _pcie(spec: ModelSpec, n: int, record: Callable[..., None], int8: Any) -> None:
-    from kvstore.tiers.gpu import GPUTier
+def tier_rows(spec: ModelSpec, n: int, rows: Rows) -> None:
+    """Demotion and promotion of `n` pages between the GPU and CPU tiers of a real store, through
+    its placement and tier stack as an eviction and a hit run them (under the store's lock)."""
+    pb = spec.page_bytes
+    pinned = torch.empty(n * pb, dtype=torch.uint8).pin_memory()
+    device = torch.empty(n * pb, dtype=torch.uint8, device="cuda")
+    down_s = wall_time_s(lambda: pinned.copy_(device, non_blocking=True))
+    up_s = wall_time_s(lambda: device.copy_(pinned, non_blocking=True))
+    tokens = list(range(1, n * P + 1))
+    kv = torch.randn(spec.kv_shape(n * P)).half()  # (L, 2, T, H, D)
+    for codec in ("none", "int8"):
+        store = KVStore(StoreConfig(data_dir=None, gpu_bytes=n * GPUTier.slot_bytes(pb),
+                                    cpu_bytes=2 * n * pb + (1 << 20), disk_bytes=0, cpu_codec=codec,
+                                    promote_on_hit=False))
+        store.register_model("m", spec)
+        store.store("m", tokens, kv)
+        lock, placement, tiers = store._lock, store._placement, store._tiers  # the store's own parts
+        nodes = sorted((node for node in store._index.nodes.values() if node.parent is not None),
+                       key=lambda node: node.depth)
+        assert len(nodes) == n and all(set(node.tiers) == {"gpu"} for node in nodes)
+        answer = store.fetch("m", tokens).kv  # a hit's answer, host memory, as a fetch makes it
+        views = [answer.numpy().view(NUMPY_DTYPES[spec.dtype])[:, :, i * P:(i + 1) * P] for i in range(n)]
 
-    pb, enc = spec.page_bytes, int8.encoded_bytes(spec, spec.page_size)
-    tier = GPUTier(n * GPUTier.slot_bytes(pb))
-    keys = [i.to_bytes(4, "little") for i in range(n)]
-    for key in keys:
-        tier.view(tier.allocate(key, pb), pb).copy_(torch.randn(pb // 2, device="cuda").half().view(torch.uint8))
-    host = torch.empty(n, enc, dtype=torch.uint8).pin_memory()
-    raw_host = torch.empty(n, pb, dtype=torch.uint8).pin_memory()
+        def demote() -> None:  # leaves first, as the policies pick them
+            with lock:
+                for node in reversed(nodes):
+                    placement.evict(node, "gpu")
 
-    def demote() -> None:
-        for i, key in enumerate(keys):
-            tier.copy_out(key, spec, spec.page_size, int8, host[i])
-        tier.stream.synchronize()
+        def promote() -> None:
+            with lock:
+                for node, view in zip(nodes, views):
+                    tiers.promote(spec, node, view)
 
-    def promote() -> None:
-        for i, key in enumerate(keys):
-            int8.decode(spec, host[i], spec.page_size, as_kv(spec, tier.view(tier.get(key), pb), spec.page_size))
-        torch.cuda.synchronize()
+        def back_on_gpu_only() -> None:
+            promote()
+            with lock:
+                for node in nodes:
+                    placement.remove_from(node, "cpu")
 
-    def plain_down() -> None:
-        for i, key in enumerate(keys):
-            raw_host[i].copy_(tier.view(tier.get(key), pb), non_blocking=True)
-        torch.cuda.synchronize()
+        def off_gpu() -> None:  # each is held on the CPU too: eviction drops the GPU copy
+            with lock:
+                for node in reversed(nodes):
+                    placement.evict(node, "gpu")
 
-    def plain_up() -> None:
-        for i, key in enumerate(keys):
-            tier.view(tier.get(key), pb).copy_(raw_host[i], non_blocking=True)
-        torch.cuda.synchronize()
-
-    record("demote_int8", pb, n, n * pb, _wall(demote), _wall(plain_down), "pinned .to()")
-    record("promote_int8", pb, n, n * pb, _wall(promote), _wall(plain_up), "pinned .to()")
-    tier.close()
-
-
-def _wall(fn: Callable[[], None]) -> float:
-    """Host wall time per call: these include the Python per-page calls the store makes."""
-    fn()
-    iters, t0 = 0, time.perf_counter()
-    while iters < 3 or time.perf_counter() - t0 < TARGET_S:
-        fn()
-        iters += 1
-    return (time.perf_counter() - t0) / iters
+        rows.add(f"demote_{codec}", pb, n, wall_time_s(demote, back_on_gpu_only), down_s, "pinned D2H copy")
+        assert all(set(node.tiers) == {"gpu"} for node in nodes)
+        if codec == "none":  # a hit promotes raw KV whatever the CPU tier's codec: time it once
+            demote()
+            rows.add("promote", pb, n, wall_time_s(promote, off_gpu), up_s, "pinned H2D copy")
+            got = store.fetch("m", tokens).kv
+            assert torch.equal(got, kv), "promotion changed the KV"
+        store.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="FILE", help="write every row and the device figures as JSON")
-    parser.add_argument("--page-kib", type=int, nargs="+", default=[64, 256, 1024, 2048])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    parser.add_argument("--json", metavar="FILE", help="write every row and the target checks as JSON")
+    parser.add_argument("--page-kib", type=int, nargs="+", default=[64, 512, 2048])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     args = parser.parse_args()
     reason = runtime.kernels_unavailable_reason()
     if reason is not None:
         sys.exit(f"bench/kernels.py needs CUDA and CuPy: {reason}")
-    peak, ceiling = peak_bandwidth_gbs(), copy_bandwidth_gbs()
     name = torch.cuda.get_device_name()
-    print(f"{name}: peak {peak and round(peak)} GB/s (clock x bus width), torch copy {ceiling:.0f} GB/s", flush=True)
-    rows = run(args.page_kib, args.batches, peak, ceiling)
-    big = [r for r in rows if r["page_bytes"] >= 2 << 20 and r["batch"] >= 32 and r["kernel"] in ("gather", "scatter")]
-    if big and peak:
-        worst = min(big, key=lambda r: r["gbs"])
-        print(f"targets: gather/scatter 2 MiB x >=32: worst {worst['gbs']:.0f} GB/s = {worst['pct_peak']:.0f}% of peak "
-              f"(target 50%), {min(r['vs_baseline'] for r in big):.2f}x torch (target 0.8x)")
+    print(f"{name}, torch {torch.__version__}", flush=True)
+    rows = Rows()
+    for kib in args.page_kib:
+        L = max(1, (kib << 10) // (2 * P * H * D * 2))
+        spec = ModelSpec(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16", page_size=P)
+        for n in args.batches:
+            device_rows(spec, n, rows)
+            tier_rows(spec, n, rows)
+            torch.cuda.empty_cache()
+    checks = rows.targets()
+    for check in checks:
+        print(f"target {check['path']}: worst {check['worst']:.2f}x {check['baseline']} "
+              f"(at least {check['at_least']}x): {'met' if check['met'] else 'MISSED'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "peak_gbs": peak, "copy_gbs": ceiling, "torch": torch.__version__,
-                       "rows": rows}, f, indent=1,
+            json.dump({"device": name, "torch": torch.__version__, "rows": rows.rows, "targets": checks}, f, indent=1,
                       default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
         print(f"wrote {args.json}")
 
