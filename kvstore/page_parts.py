@@ -77,8 +77,10 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
             node = index.get(key)
             if node is None and e - s < P and parent is not None:
                 node = covering_sibling(parent, ptoks)
-            if node is not None and node.ready and node.tokens.startswith(ptoks):
-                parts._forget(key)  # stored whole meanwhile (another writer had every head)
+            if node is not None and node.tokens.startswith(ptoks):
+                # Stored whole, or being stored whole by another writer (every head of it is
+                # there): this part adds nothing.
+                parts._forget(key)
                 parent, parent_key, held = node, key, e
                 continue
             parent = None  # past the first page not stored, every page's node is looked up by key only
