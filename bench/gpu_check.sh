@@ -117,7 +117,7 @@ else
   # fail by design), memory errors are what this counts.
   run_step memcheck "$(share 170 110)" "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 9 \
     --log-file "$out/memcheck.log" "$py" -m pytest "${pytest_args[@]}" tests/gpu/test_gpu_kernels.py \
-    -k "gather or scatter or quantize or rope"
+    -k "gather or scatter or quantize or rope or codec"
   grep -h "ERROR SUMMARY" "$out/memcheck.log" | tail -1 | sed 's/^=* */memcheck: /' | tee -a "$summary"
 fi
 

@@ -1,5 +1,6 @@
 """`make install` picks the CuPy extra by the driver's CUDA (nvidia-smi's "CUDA Version"), and
-brings NVRTC everywhere. Checked with `make -n` (print, run nothing) and a stand-in nvidia-smi."""
+brings NVRTC everywhere. Checked with `make -n` (print, run nothing) and a stand-in nvidia-smi
+ahead of any real one on PATH."""
 from __future__ import annotations
 
 import os
@@ -13,18 +14,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _install_line(tmp_path: Path, cuda_version: str | None) -> str:
+    """The recipe's install line with a stand-in nvidia-smi first on PATH: one that reports
+    `cuda_version`, or (None) one that fails and prints nothing, as where there is no driver."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    if cuda_version is not None:
-        smi = bin_dir / "nvidia-smi"
+    smi = bin_dir / "nvidia-smi"
+    if cuda_version is None:
+        smi.write_text("#!/bin/sh\nexit 9\n")
+    else:
         banner = f"| NVIDIA-SMI 580.65   Driver Version: 580.65   CUDA Version: {cuda_version}   |"
         smi.write_text(f"#!/bin/sh\necho '{banner}'\n")
-        smi.chmod(0o755)
-    path = os.pathsep.join([str(bin_dir)] + [p for p in os.environ["PATH"].split(os.pathsep)
-                                             if not (Path(p) / "nvidia-smi").exists()])
+    smi.chmod(0o755)
     venv = tmp_path / "venv"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     out = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"{venv}/.installed"], cwd=ROOT, text=True,
-                         capture_output=True, env={**os.environ, "PATH": path}, check=True).stdout
+                         capture_output=True, env=env, check=True).stdout
     lines = [line for line in out.splitlines() if "install -q -e" in line]
     assert len(lines) == 1, out
     return lines[0]
