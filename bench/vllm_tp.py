@@ -2,13 +2,16 @@
 reuse each other's pages (and the decode loop's) with the same text, a rank's failed store leaves
 nothing served, P/D runs across degrees, and a cross-degree hit's TTFT.
 
-    python bench/vllm_tp.py [--tp 3] [--tokens 2048] [--repeats 3] [--json out.json]
+    python bench/vllm_tp.py [--tp 3] [--tokens 2048] [--check-tokens 512] [--repeats 3] [--skip-pd]
+                            [--json out.json]
 
 The model is SmolLM2-135M-Instruct (30 layers, 9 query heads over 3 KV heads of 64, float32),
 served by vLLM's CPU build, every engine a fresh process whose ranks are processes of their
 own ("mp" executor; VLLM_CPU_OMP_THREADS_BIND=nobind: the ranks share the machine's cores). All
 engines talk to one `kvstore serve` sidecar (CPU tier). Prompts are real text (Python's
-documentation, as bench/vllm_ttft.py's), each `--tokens` long and distinct. Steps:
+documentation, as bench/vllm_ttft.py's), each distinct: `--tokens` long where a hit is timed or
+reused across degrees (A, B), `--check-tokens` where only answers are compared (C, the failed
+rank's prompt, the warm-up). Steps:
 
     tp1 stores    a TP=1 engine prefills prompt A (storing it) and answers it
     cross hit     a TP=`--tp` engine: a full prefill of A (a salt the store does not take: vLLM
@@ -194,7 +197,9 @@ def slice_fetches(url: str, spec: Any, tokens: int, tp: int, repeats: int = 7) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=3, help="the tensor-parallel degree next to TP=1")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens of each prompt")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens of the prompts timed and reused")
+    parser.add_argument("--check-tokens", type=int, default=512,
+                        help="tokens of the prompts that only check answers (the failed rank's, P/D) and the warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs per hit measurement (best of)")
     parser.add_argument("--skip-pd", action="store_true", help="leave out the P/D deployments (4 engine servers)")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -214,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = model.spec
     rank_heads(spec.num_kv_heads, args.tp, 0)  # refuses a degree vLLM would refuse, before any engine starts
     prompt = Prompts(str(directory), 0, True)
-    a, b, c, d, fault = (prompt(args.tokens, salt=s) for s in (1, 2, 3, 4, 5))
-    max_model_len = args.tokens + 256
+    a, b = (prompt(args.tokens, salt=s) for s in (1, 2))
+    c, d, fault = (prompt(args.check_tokens, salt=s) for s in (3, 4, 5))
+    max_model_len = max(args.tokens, args.check_tokens) + 256
     base = dict(model=str(directory), max_model_len=max_model_len, kv_cache_bytes=max(1 << 30, 6 * spec.bytes_per_token
                                                                                       * max_model_len))
     results: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens}
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-tp-") as tmp, \
             tqdm(total=7 if not args.skip_pd else 5, desc="vllm_tp", unit="step", file=sys.stderr) as bar:
         root = Path(tmp)
-        sidecar, url = start_sidecar(root / "sidecar", "4GiB")
+        sidecar, url = start_sidecar(root / "sidecar", "1GiB")
         extra = {"url": url, "timeout_s": 120}
         try:
             results["tp1_stores"] = run_engine(dict(base, tp=1, extra=extra, steps=[step("a", a)]))
