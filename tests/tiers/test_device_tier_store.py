@@ -175,6 +175,46 @@ def test_write_through_and_flush_with_pages_on_the_device(make_store):
     assert torch.equal(reopened.fetch("m", tokens).kv.view(torch.int16), kv.view(torch.int16))
 
 
+def test_every_read_and_write_of_pages_on_the_device(make_store):
+    """The store's other ways in and out, with the pages on the device: a fetch from an offset
+    into a caller's buffer, a tensor-parallel rank's heads and a pipeline stage's layers, a
+    pinned fetch (whose pages are not in host memory, so it copies), pages stored in parts, and
+    CacheBlend's chunks."""
+    store = make_store(gpu_bytes=64 * SPEC.page_bytes, disk_bytes=1 << 20)
+    tokens = list(range(500, 500 + 3 * P + 2))
+    kv = random_kv(SPEC, len(tokens), seed=5)
+    store.store("m", tokens, kv)
+    assert store.lookup("m", tokens).tiers == {"gpu": len(tokens)}
+    into = torch.empty(kv.numel() * kv.element_size(), dtype=torch.uint8)
+    got = store.fetch("m", tokens, start=P + 1, into=into)
+    assert torch.equal(got.kv.view(torch.int16), kv[:, :, P + 1:].view(torch.int16))
+    got = store.fetch("m", tokens, heads=(1, 2), layers=(0, 1))
+    assert torch.equal(got.kv.view(torch.int16), kv[0:1, :, :, 1:2].view(torch.int16))
+    with store.fetch_pinned("m", tokens) as pinned:
+        assert pinned.runs is None  # the device's pages are not views in host memory
+        assert torch.equal(pinned.fetch().kv.view(torch.int16), kv.view(torch.int16))
+
+    parted = list(range(700, 700 + 2 * P))
+    whole = random_kv(SPEC, len(parted), seed=6)
+    for lo, hi in ((0, 1), (1, 2)):  # two ranks, one KV head each
+        store.store("m", parted, whole[:, :, :, lo:hi].contiguous(), heads=(lo, hi))
+    assert store.lookup("m", parted).tiers == {"gpu": len(parted)}
+    assert torch.equal(store.fetch("m", parted).kv.view(torch.int16), whole.view(torch.int16))
+
+    chunk = list(range(900, 900 + 2 * P))
+    chunk_kv = random_kv(SPEC, len(chunk), seed=7)
+    store.store_chunk("m", chunk, chunk_kv)
+    at_zero = store.blend("m", [chunk], start_pos=0)
+    assert at_zero.hits == [True] and torch.equal(at_zero.kv.view(torch.int16), chunk_kv.view(torch.int16))
+    moved = store.blend("m", [chunk], start_pos=5)
+    assert moved.hits == [True] and torch.equal(moved.kv[:, 1].view(torch.int16), chunk_kv[:, 1].view(torch.int16))
+    store.close()  # every page is on the device only: all reach disk
+    reopened = make_store(gpu_bytes=64 * SPEC.page_bytes, disk_bytes=1 << 20)
+    for seq, expected in ((tokens, kv), (parted, whole)):
+        assert torch.equal(reopened.fetch("m", seq).kv.view(torch.int16), expected.view(torch.int16))
+    assert reopened.blend("m", [chunk], start_pos=0).hits == [True]
+
+
 @pytest.mark.skipif(REDIS_SERVER is None, reason=NEEDS_REDIS)
 @pytest.mark.parametrize("disk_codec", ["none", "int8"])
 def test_device_pages_reach_redis_as_host_bytes(make_store, tmp_path, disk_codec):
