@@ -48,16 +48,25 @@ if ! "$py" "$root/bench/offline_stage.py" "$stage" --wheels "$wheels"; then
   note "stage: FAILED (the tree or a carried wheel does not import; see above)"
   exit 2
 fi
-export PYTHONPATH=$stage PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# PYTHONSAFEPATH: `python -m pytest` and `python -` would otherwise put the current folder, the
+# repository root, first on sys.path, where its kvstore/ folder (without its subpackages) would
+# shadow the stage.
+export PYTHONPATH=$stage PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 KVSTORE_STAGE=$stage
 note "stage: ok ($py, $("$py" -c 'import platform; print("Python", platform.python_version())'))"
 
 # No CUDA device is where a CPU machine stops: a clear line and exit 3, never a traceback.
 "$py" - <<'EOF'
+import os
 import sys
 
 import torch
 
+import kvstore
 from kvstore.gpu.runtime import kernels_unavailable_reason
+
+if list(kvstore.__path__) != [os.path.join(os.environ["KVSTORE_STAGE"], "kvstore")]:
+    print(f"gpu_check: kvstore was imported from {list(kvstore.__path__)}, not from the stage")
+    sys.exit(2)
 
 if not torch.cuda.is_available():
     print(f"gpu_check: no CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none; "
@@ -75,11 +84,12 @@ print(f"gpu_check: device {props.name} ({props.total_memory >> 30} GiB, sm_{prop
       f"(CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, driver {cupy.cuda.runtime.driverGetVersion()})")
 EOF
 device_rc=$?
-if [ "$device_rc" -ne 0 ]; then
-  note "device: none ($([ $device_rc -eq 3 ] && echo 'no CUDA device' || echo 'no usable CuPy')); stopped"
-  exit "$device_rc"
-fi
-note "device: ok"
+case $device_rc in
+  0) note "device: ok" ;;
+  3) note "device: none (no CUDA device); stopped"; exit 3 ;;
+  4) note "device: no usable CuPy; stopped"; exit 4 ;;
+  *) note "device: FAILED (exit $device_rc); stopped"; exit 2 ;;
+esac
 
 # -o pythonpath=tests: the ini's "." would put the repository's kvstore/ folder (without its
 # subpackages) ahead of the stage.

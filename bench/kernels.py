@@ -23,22 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
-from kvstore.codecs import get_codec  # noqa: E402
-from kvstore.gpu import runtime  # noqa: E402
-from kvstore.gpu.dtypes import NUMPY_DTYPES  # noqa: E402
-from kvstore.gpu.paged import gather_pages, scatter_pages  # noqa: E402
-from kvstore.gpu.rope import rope_rerotate  # noqa: E402
-from kvstore.tiers.gpu import GPUTier  # noqa: E402
+from kvstore import KVStore, ModelSpec, StoreConfig
+from kvstore.codecs import get_codec
+from kvstore.gpu import runtime
+from kvstore.gpu.dtypes import NUMPY_DTYPES
+from kvstore.gpu.paged import gather_pages, scatter_pages
+from kvstore.gpu.rope import rope_rerotate
+from kvstore.tiers.gpu import GPUTier
 
 H, D, P = 8, 128, 16
 TARGET_S = 0.05  # time each measurement for about this long

@@ -131,20 +131,21 @@ def unpack_wheel(wheel: Path, stage: Path) -> None:
 
 
 def top_levels(wheel: Path) -> list[str]:
-    """The importable names a wheel installs: its top_level.txt, else its top-level folders and
-    modules."""
-    with zipfile.ZipFile(wheel) as archive:
-        names = archive.namelist()
-        listed = [n for n in names if re.match(r"^[^/]+\.dist-info/top_level\.txt$", n)]
-        if listed:
-            return [line.strip() for line in archive.read(listed[0]).decode().splitlines() if line.strip()]
+    """The importable names a wheel installs, from what it holds (its top_level.txt may name
+    modules it does not ship): its top-level packages and modules."""
     tops = set()
-    for name in names:
-        data = re.match(r"^[^/]+\.data/(purelib|platlib)/(.*)$", name)
-        path = data[2] if data else name
-        first = path.split("/")[0]
-        if data or not re.match(r"^[^/]+\.(dist-info|data)$", first):
-            tops.add(first[:-3] if first.endswith(".py") else first)
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            data = re.match(r"^[^/]+\.data/(purelib|platlib)/(.*)$", name)
+            if data:
+                name = data[2]
+            elif re.match(r"^[^/]+\.(dist-info|data)/", name):
+                continue
+            first, _, rest = name.partition("/")
+            if rest:  # a folder: a package (or a namespace one)
+                tops.add(first)
+            elif first.endswith((".py", ".so")):  # a module: spam.py, _spam.cpython-312-x86_64-linux-gnu.so
+                tops.add(first.split(".")[0])
     return sorted(t for t in tops if t.isidentifier())
 
 
