@@ -1,7 +1,8 @@
 """Run every reliability scenario at full size and print the README's Reliability table.
 
     python bench/chaos.py [--json FILE] [--load-s 60] [--crash-rounds 25] [--page-trials 500]
-                          [--concurrency-ops 1000000] [--only corruption|concurrency]
+                          [--concurrency-ops 1000000] [--only corruption|concurrency|audit]
+                          [--audit-hits 200] [--audit-vllm-hits 100]
 
 Scenarios live in bench/reliability/ (tests/reliability/ runs the same code small). Hostile
 input (schemathesis, hypothesis) and tenants are tests only: `pytest tests/reliability`.
@@ -34,13 +35,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="operations checked in-process and again through the sidecar (60%% with nothing "
                              "evicted, 40%% with constant eviction); a twentieth more against a sidecar killed "
                              "and restarted")
-    parser.add_argument("--only", choices=["corruption", "concurrency"], help="run only these scenarios")
+    parser.add_argument("--audit-hits", type=int, default=200,
+                        help="clean audited hits of the decode loop per dtype (float32, bfloat16) and path "
+                             "(in-process, sidecar)")
+    parser.add_argument("--audit-vllm-hits", type=int, default=100,
+                        help="clean audited hits of each vLLM engine (float32 and bfloat16, in-process and sidecar)")
+    parser.add_argument("--only", choices=["corruption", "concurrency", "audit"], help="run only these scenarios")
     parser.add_argument("--json", help="write every report here")
     args = parser.parse_args(argv)
     rows: list[tuple[str, str]] = []
     reports: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.only == "audit":
+            _audit(args.audit_hits, args.audit_vllm_hits, rows, reports)
+            _print(rows, reports, args.json)
+            return 0
         if args.only in (None, "concurrency"):
             _concurrency(work, args.concurrency_ops, rows, reports)
         if args.only == "concurrency":
@@ -123,6 +133,41 @@ def _concurrency(work: Path, ops: int, rows: list[tuple[str, str]], reports: dic
     r = run_restarts(work / "concurrency-restarts", ops=max(2_000, ops // 20), kills=max(1, ops // 200_000), seed=20)
     reports["concurrency_restarts"] = r
     rows.append((f"concurrency, {r.path}: 8 clients, {r.kills} kills", _concurrency_result(r)))
+
+
+def _audit(hits: int, vllm_hits: int, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
+    """Audited reuse on the real model (bench/reliability/audit.py, vllm_audit.py): every fault,
+    then the clean hits behind the tolerance, in the decode loop and in vLLM."""
+    from bench.reliability.audit import real_model, run_clean, run_faults
+    from bench.reliability.vllm_audit import run_vllm_audit
+
+    for dtype in ("float32", "bfloat16"):
+        model = real_model(dtype)
+        for case in run_faults(dtype, model=model):
+            reports[f"audit_fault_{dtype}_{case.fault}_{case.where.replace(' ', '_')}"] = case
+            verdict = (f"**caught** on the first audited hit (layer {case.first_layer}, deviation {case.worst:.3g} > "
+                       f"{case.tolerance:.3g})" if case.detected else
+                       f"**slipped** (deviation {case.worst:.3g} <= {case.tolerance:.3g})")
+            rows.append((f"audit, decode loop, {dtype}: {case.fault} in the {case.where}",
+                         f"{verdict}; store still matched {case.left_tokens} tokens; audited request = its full "
+                         f"prefill: {case.audited_answer_ok}; next request recomputed {case.next_recomputed}, = its "
+                         f"full prefill: {case.next_answer_ok}; a later hit passed: {case.later_passed} "
+                         f"({case.seconds:.0f} s)"))
+        for path in ("in-process", "sidecar"):
+            r = run_clean(dtype, hits, path=path, model=model)
+            reports[f"audit_clean_{dtype}_{path}"] = r
+            rows.append((f"audit, decode loop, {dtype}, {path}: clean audited hits of real text",
+                         f"{r.hits} hits: **{r.failures} false alarms**; worst deviation {max(r.worst):.3g} "
+                         f"({r.worst_in_eps:.1f} eps) against a tolerance of {r.tolerance:.3g} ({r.seconds:.0f} s)"))
+    for dtype in ("float32", "bfloat16"):
+        for path in ("in-process", "sidecar"):
+            v = run_vllm_audit(dtype, path, vllm_hits)
+            reports[f"audit_vllm_{dtype}_{path}"] = v
+            caught = ", ".join(f"{c.fault} {'caught' if c.detected else 'SLIPPED'}"
+                               f"{'' if c.ok else ' (not all checks held)'}" for c in v.faults)
+            rows.append((f"audit, vLLM {dtype}, {path}",
+                         f"{v.cross_engine_hits} clean hits on the decode loop's pages + {v.same_engine_hits} on "
+                         f"vLLM's own: **{v.failures} false alarms**; faults: {caught} ({v.seconds:.0f} s)"))
 
 
 def _concurrency_result(r: ConcurrencyReport) -> str:

@@ -23,6 +23,9 @@ The largest default size, 8191 tokens, fills the model's context with the first 
     shm       connector to `kvstore serve` on loopback (shared memory, sized for the largest
               prompt's KV, moves it): nothing to hit, then a hit with vLLM's cache emptied
     tcp       a new engine on the same sidecar with shared memory off: the KV comes over TCP
+    audit     with `--audit-rate R` > 0: the inproc plan again on a store of its own, with
+              audit_rate R (kvstore/integrations/vllm_audit.py): each store hit withholds its last
+              block, computes it and compares it with the stored one
 
 Every engine first prefills one prompt that no row uses (`--warmup` tokens: the one-time costs
 of a first batch; with chunked prefill every longer prompt runs in chunks of that shape or
@@ -70,7 +73,8 @@ RANDOM_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, n
                     num_attention_heads=8, num_key_value_heads=2, head_dim=64)
 BLOCK = 32
 TARGETS = {"hit_vs_own_hit": 1.2, "hit_vs_full_from_2k": 0.25, "tcp_hit_vs_own_hit_2k": 2.0,
-           "miss_work_share_of_prefill": 0.03, "hooks_share_of_decode_step": 0.01}
+           "miss_work_share_of_prefill": 0.03, "hooks_share_of_decode_step": 0.01,
+           "audited_hit_vs_hit_2k": 1.15}
 MEMORY_HITS = ("kvstore hit: in-process CPU tier", "kvstore hit: sidecar, shared memory")
 
 
@@ -220,6 +224,10 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
             result["connector_share_of_decode_step"] = (whole_hooks_s - prefill_hooks_s) / max(whole_s - prefill_s,
                                                                                                1e-9)
             result["connector_us_per_decode_step"] = (whole_hooks_s - prefill_hooks_s) / steps * 1e6
+    if job["extra"] is not None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        result["audits"] = dict(get_kv_transfer_group().worker.audits.stats)
     llm.llm_engine.engine_core.shutdown()
     return result
 
@@ -317,13 +325,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="a random-weight Llama and random token ids instead of SmolLM2 and documentation text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="model and KV dtype (float32: CPUs without AVX512-BF16 emulate bf16 matmuls, ~10x slower)")
+    parser.add_argument("--audit-rate", type=float, default=0.0,
+                        help="also run the in-process engine with this audit_rate, on a store of its own (0: not)")
     args = parse_or_serve_engine(parser, argv, engine_main)
     if args is None:
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp:
         root = Path(tmp)
-        with tqdm(total=6, desc="vllm_ttft", unit="step", file=sys.stderr) as bar:
+        with tqdm(total=6 + (args.audit_rate > 0), desc="vllm_ttft", unit="step", file=sys.stderr) as bar:
             if args.random_model:
                 directory = write_random_model(root / "model", args.dtype)
             else:
@@ -360,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
             results["disk"] = run_engine(dict(base, extra=store, plan="hit"))
             bar.update()
+            if args.audit_rate > 0:
+                audited = dict(store, data_dir=str(root / "store-audit"), audit_rate=args.audit_rate)
+                results["audit"] = run_engine(dict(base, extra=audited, plan="fill_and_hit"))
+                bar.update()
             sidecar, url = start_sidecar(root / "sidecar", store_bytes)
             try:
                 shm = {"url": url, "shared_memory_bytes": arena_bytes, **patience}
@@ -406,7 +420,13 @@ def summarize(results: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]
             own = results[name]["rows"][key].get("own_hit")
             rows.append(dict(size=size, case=label, ttft_s=hit, cached=cached, connector_s=spent,
                              vs_own_hit=hit / own[0] if own else None))
-        for row in rows[-8:]:
+        if "audit" in results:
+            hit, cached, spent = results["audit"]["rows"][key]["hit"]
+            own = results["audit"]["rows"][key]["own_hit"]
+            unaudited = results["inproc"]["rows"][key]["hit"][0]
+            rows.append(dict(size=size, case="kvstore hit: in-process, audited", ttft_s=hit, cached=cached,
+                             connector_s=spent, vs_own_hit=hit / own[0], vs_unaudited_hit=hit / unaudited))
+        for row in rows[-8 - ("audit" in results):]:
             row["vs_full"] = row["ttft_s"] / full
             row["vs_vllm_hit"] = row["ttft_s"] / vllm_hit
     return rows
@@ -426,7 +446,8 @@ def judge_targets(table: list[dict[str, Any]], results: dict[str, Any]) -> list[
                "hit_vs_full_from_2k": [v for case in MEMORY_HITS for v in values(case, "vs_full", from_2k)],
                "tcp_hit_vs_own_hit_2k": values("kvstore hit: sidecar, TCP", "vs_own_hit", {2048}),
                "miss_work_share_of_prefill": misses,
-               "hooks_share_of_decode_step": [results["inproc"]["connector_share_of_decode_step"]]}
+               "hooks_share_of_decode_step": [results["inproc"]["connector_share_of_decode_step"]],
+               "audited_hit_vs_hit_2k": values("kvstore hit: in-process, audited", "vs_unaudited_hit", {2048})}
     return [dict(target=name, limit=limit, values=figures[name], met=all(v <= limit for v in figures[name]))
             for name, limit in TARGETS.items() if figures[name]]
 
@@ -442,6 +463,10 @@ def print_table(table: list[dict[str, Any]], results: dict[str, Any]) -> None:
         own = f"{row['vs_own_hit']:.2f}" if row.get("vs_own_hit") else ""
         print(f"{row['size']:>6}  {row['case']:<38} {row['cached']:>6} {row['ttft_s'] * 1e3:>9.1f} "
               f"{row['vs_full']:>7.3f} {row['vs_vllm_hit']:>10.2f} {own:>9}  {split if spent else ''}")
+    if "audit" in results:
+        print(f"audited engine: {results['audit']['audits']} (every store hit audited); "
+              f"audited hit / unaudited hit: " + ", ".join(f"{r['size']}: {r['vs_unaudited_hit']:.3f}" for r in table
+                                                           if r.get("vs_unaudited_hit")))
     base, with_connector = results["baseline"]["decode_tokens_per_s"], results["inproc"]["decode_tokens_per_s"]
     inproc = results["inproc"]
     print(f"decode tokens/s: no connector {base:.1f}, connector on (nothing to hit) {with_connector:.1f} "

@@ -5,8 +5,10 @@
      "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}                                      a sidecar
     {"data_dir": "./kvstore-data", "cpu_bytes": "8GiB", "disk_bytes": "64GiB", ...}            in-process
 
-plus, in both, `model` (the store's model name), `timeout_s` and `page_size`. The in-process
-keys are `StoreConfig`'s fields, with the names and units of `kvstore serve` (sizes like "1GiB").
+plus, in both, `model` (the store's model name), `timeout_s`, `page_size` and `audit_rate` (the
+probability that a hit is audited, 0 to 1, default 0: kvstore/integrations/vllm_audit.py). The
+in-process keys are `StoreConfig`'s fields, with the names and units of `kvstore serve` (sizes
+like "1GiB").
 An unknown key, or a sidecar key mixed with store keys, is an error that names it.
 
 Tenancy and salts: a sidecar takes the tenant from the bearer token (api/auth.py): `token` for
@@ -25,10 +27,11 @@ from typing import Any, Mapping
 
 from kvstore import StoreConfig
 from kvstore.kv_events import check_endpoints
+from kvstore.reuse_audit import DEFAULT_AUDIT_RATE, check_audit_rate
 from kvstore.sizes import parse_bytes
 
 SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes", "kv_events_endpoint", "kv_events_replay_endpoint")
-COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s", "load_async")
+COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s", "load_async", "audit_rate")
 STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreConfig))
 DEFAULT_PAGE_SIZE = 16  # the decode loop's (decode/loader.py): the same pages serve both
 
@@ -49,6 +52,9 @@ class ConnectorConfig:
     # Loads run beside the forward, while their requests wait outside the batch (vLLM's
     # WAITING_FOR_REMOTE_KVS), instead of inside the step of the batch they join.
     load_async: bool = False
+    # The probability that a hit is audited: its last full block computed by vLLM and compared
+    # with the stored one (vllm_audit.py); 0: off.
+    audit_rate: float = DEFAULT_AUDIT_RATE
     # The sidecar's KV events (its --kv-events-endpoint / --kv-events-replay-endpoint), which
     # take_events() turns into the engine's own when vLLM publishes KV events.
     kv_events_endpoint: str | None = None
@@ -71,6 +77,7 @@ class ConnectorConfig:
         if self.shared_memory_bytes is not None and (isinstance(self.shared_memory_bytes, bool) or not isinstance(
                 self.shared_memory_bytes, int) or self.shared_memory_bytes < 0):
             raise ValueError(f"shared_memory_bytes: expected a byte count >= 0, got {self.shared_memory_bytes!r}")
+        check_audit_rate(self.audit_rate)
         if not isinstance(self.load_async, bool):
             raise ValueError(f"load_async: expected true or false, got {self.load_async!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):

@@ -29,6 +29,7 @@ from kvstore import KVStore, KVStoreClient, KVStoreError, ModelSpec, StoreConfig
 from kvstore.integrations.connector_config import ConnectorConfig
 from kvstore.page_slice import PageSlice
 from kvstore.pinned_fetch import PinnedFetch
+from kvstore.reuse_audit import tier_at
 from kvstore.validation import check_salt
 
 log = logging.getLogger("kvstore.vllm")
@@ -227,6 +228,23 @@ class StoreLink:
         result = self._call("store", salt, lambda b: b.store(self.model, tokens, kv, start=start, salt=salt,
                                                              heads=self.heads))
         return None if result is None else int(result.stored_tokens)
+
+    # -- audited reuse (vllm_audit.py) ----------------------------------------------------------
+    def audit_source(self, tokens: Sequence[int], start: int, salt: str | None) -> tuple[str, Any] | None:
+        """(the tier serving tokens[start:], their stored KV) for an audit; None if the store no
+        longer holds them all (or fails)."""
+        found = self._call("lookup", salt, lambda b: b.lookup(self.model, tokens, salt=salt))
+        if found is None or found.matched_tokens < len(tokens):
+            return None
+        matched, kv = self.fetch(tokens, start, salt)
+        if matched < len(tokens):
+            return None
+        return tier_at(found.tiers, start), kv[:, :, :len(tokens) - start]
+
+    def report_audit(self, tokens: Sequence[int], salt: str | None, *, passed: bool, tier: str,
+                     layer: int | None) -> None:
+        self._call("report_audit", salt, lambda b: b.report_audit(self.model, tokens, passed=passed, tier=tier,
+                                                                  layer=layer, salt=salt))
 
     def close(self) -> None:
         if self._closed:

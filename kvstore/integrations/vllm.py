@@ -85,7 +85,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy = "recompute"
             self.events = self._scheduler_events(vllm_config)
             self.scheduler = SchedulerSide(self.link, self.block_size, self.events, role=transfer.kv_role or "kv_both",
-                                           load_async=self.config.load_async)
+                                           load_async=self.config.load_async, audit_rate=self.config.audit_rate)
         else:
             self.rank = rank = _rank_heads(vllm_config, spec)
             if self.config.url is not None:

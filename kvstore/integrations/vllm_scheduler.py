@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.integrations.store_link import StoreLink
+from kvstore.integrations.vllm_audit import AuditSpec, SchedulerAudits
 
 
 @dataclass
@@ -62,6 +63,7 @@ class SaveSpec:
 class StepMeta:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    audits: list[AuditSpec] = field(default_factory=list)  # audited hits whose withheld block this step computes
 
 
 @dataclass
@@ -80,7 +82,7 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 class SchedulerSide:
     def __init__(self, link: StoreLink, block_size: int, events: Any = None, role: str = "kv_both",
-                 load_async: bool = False):
+                 load_async: bool = False, audit_rate: float = 0.0):
         if role not in ROLES:
             raise ValueError(f"kv_role: must be one of {', '.join(ROLES)}, got {role!r}")
         self.link, self.block_size, self.role, self.load_async = link, block_size, role, load_async
@@ -90,6 +92,7 @@ class SchedulerSide:
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (local tokens, store hit end), last answer
         self.stats = {"lookups": 0, "lookup_s": 0.0}  # for bench/vllm_ttft.py's breakdown of a request
         self._loads: dict[str, LoadSpec] = {}  # allocated, to be loaded in the next step
+        self.audits = SchedulerAudits(audit_rate, block_size)  # sampled hits withhold a block (vllm_audit.py)
 
     @staticmethod
     def usable(request: Any) -> bool:
@@ -117,7 +120,8 @@ class SchedulerSide:
         matched = self.link.lookup(tracked.prompt[:limit], tracked.salt)
         self.stats["lookup_s"] += time.perf_counter() - started
         self.stats["lookups"] += 1
-        hit = min(matched, limit) // B * B
+        hit = self.audits.withhold(request.request_id, num_computed_tokens, min(matched, limit) // B * B,
+                                   self.load_async)
         if hit <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
             return 0
@@ -136,6 +140,7 @@ class SchedulerSide:
                         list(block_ids[start // B:end // B]), self.load_async)
         self._loads[request.request_id] = spec
         tracked.loading = frozenset(spec.block_ids)
+        self.audits.allocated(request.request_id, tracked.salt, tracked.prompt, list(block_ids), start, end)
 
     def load_errors(self, block_ids: set[int]) -> None:
         """Blocks a load could not fill (the worker's report, through vLLM): their requests are
@@ -146,7 +151,7 @@ class SchedulerSide:
                 tracked.loads_off = True
 
     def build_meta(self, scheduler_output: Any) -> StepMeta:
-        meta = StepMeta(loads=list(self._loads.values()))
+        meta = StepMeta(loads=list(self._loads.values()), audits=self.audits.take(scheduler_output))
         self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -185,9 +190,10 @@ class SchedulerSide:
         tracked = self._requests.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self.audits.forget(request.request_id)
         return tracked.saved_tokens if tracked is not None else None
 
     @property
     def num_tracked(self) -> int:
         """Requests with state here (0 once every request finished: nothing leaks)."""
-        return len(self._requests) + len(self._hits) + len(self._loads)
+        return len(self._requests) + len(self._hits) + len(self._loads) + len(self.audits)

@@ -39,6 +39,7 @@ from kvstore.host_memory import empty_host
 from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout, ContentSplitLayout,
                                                PagedLayout, StridedBlockLayout, UnsupportedLayout, probe_block_order)
 from kvstore.integrations.store_link import StoreLink
+from kvstore.integrations.vllm_audit import WorkerAudits
 from kvstore.integrations.vllm_scheduler import LoadSpec, SaveSpec, StepMeta
 from kvstore.pinned_fetch import PinnedFetch
 
@@ -131,6 +132,7 @@ class WorkerSide:
         # Counters and seconds spent, for tests and bench/vllm_ttft.py's breakdown of a step.
         self.stats = {"loaded_tokens": 0, "in_place_tokens": 0, "failed_blocks": 0, "saved_tokens": 0,
                       "fetch_s": 0.0, "scatter_s": 0.0, "gather_s": 0.0, "store_s": 0.0}
+        self.audits = WorkerAudits(spec.num_layers, getattr(torch, spec.dtype))  # audited hits (vllm_audit.py)
 
     def register(self, kv_caches: dict[str, torch.Tensor], backends: dict[str, str],
                  cpu_writer: Callable[[], Callable[..., None]] | None, kv_cache_layout: str | None,
@@ -168,6 +170,8 @@ class WorkerSide:
     # -- loads ----------------------------------------------------------------------------------
     def start_load(self, meta: StepMeta) -> None:
         self._release_loads()  # a step that never reached finish_step leaves none pinned
+        if meta.audits and self.stores:  # a replica's heads are audited by the rank that stores them
+            self.audits.start(self.link, meta.audits, next(iter(self.layers.values())).device)
         for spec in meta.loads:
             if spec.load_async:
                 if self._loader is None:
@@ -271,6 +275,7 @@ class WorkerSide:
         i = self.index.get(layer_name)
         if i is None:
             return
+        self.audits.on_layer(self.layout, layer, i)
         if not self._saves and meta.saves:
             self._saves = self._new_saves(meta.saves)
         assert self.layout is not None
@@ -323,17 +328,22 @@ class WorkerSide:
         return out
 
     def finish_step(self, meta: StepMeta | None) -> None:
-        """End of the step: layers never loaded are load errors; store every save."""
+        """End of the step: layers never loaded are load errors; audits are judged (a failed
+        one's loaded blocks are load errors, and its request's save is not stored); store every save."""
         for load in self._loads:
             if load.pending_layers:  # the forward never asked for these layers: do not trust the blocks
                 self._failed_blocks.update(load.block_ids.tolist())
                 self.stats["failed_blocks"] += load.block_ids.numel()
-        self._release_loads()
+        self._release_loads()  # before the audits: a failed one drops pages these loads pinned
+        failed, spoiled = self.audits.finish(self.link)
+        self._failed_blocks |= failed
         if meta is not None and meta.saves and not self._saves:
             self._saves = self._new_saves(meta.saves)
         saves, self._saves = self._saves, []
         started = time.perf_counter()
         for save in saves:
+            if save.spec.req_id in spoiled:
+                continue
             if save.pending_layers:  # a layer without the save hook: copy it now, its blocks are intact
                 self._gather_all(save.block_ids.tolist(), out=save.buffer, layers=save.pending_layers)
             self._store(save)

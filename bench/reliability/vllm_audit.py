@@ -1,0 +1,205 @@
+"""Audited reuse in vLLM (kvstore/integrations/vllm_audit.py) on the real model, one engine per run.
+
+`run_vllm_audit(dtype, path, clean_hits)`: a vLLM engine (in this process, its prefix cache off,
+so every hit is the store's) with `audit_rate=1`, on an in-process store or a sidecar:
+
+    clean, across engines   the decode loop stores documents; vLLM requests extend a prefix of
+                            one of them: vLLM loads the decode loop's pages and audits them
+    clean, same engine      vLLM stores documents itself, then hits them the same way
+    faults                  each fault of bench/reliability/audit.py that vLLM can meet, planted
+                            under a prompt's key (the decode loop's `plant`); the connector's
+                            scatter writing heads in the wrong order is injected into the
+                            worker's load instead (the stored pages are right there)
+
+A fault case checks: the first audited hit's audit fails (the store counts it), the store no
+longer matches the prompt, the audited request answers as the same engine's full prefill of it,
+and the next request (another extension) recomputes and answers as its own full prefill.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from bench.reliability.audit import full_kv, plant, real_model, real_text
+from kvstore.config import StoreConfig
+
+BLOCK = 32  # vLLM's CPU attention wants multiples of 32
+NEW_TOKENS = 8
+VLLM_FAULTS = ("slot-bytes", "weights-1.01", "k-no-rope", "scatter-heads-permuted", "collision")
+
+
+@dataclass
+class VllmFaultCase:
+    fault: str
+    detected: bool
+    left_tokens: int
+    answer_ok: bool
+    next_answer_ok: bool
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.detected and self.left_tokens == 0 and self.answer_ok and self.next_answer_ok
+
+
+@dataclass
+class VllmAuditReport:
+    dtype: str
+    path: str
+    cross_engine_hits: int = 0
+    same_engine_hits: int = 0
+    failures: int = 0  # false alarms among the clean hits
+    faults: list[VllmFaultCase] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@contextmanager
+def _engine(dtype: str, extra: dict[str, Any]) -> Iterator[Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from kvstore.decode.model_pull import pull
+
+    per_token = 30 * 2 * 3 * 64 * (4 if dtype == "float32" else 2)
+    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
+                                kv_connector_module_path="kvstore.integrations.vllm", kv_connector_extra_config=extra)
+    llm = LLM(str(pull("smollm2")), kv_transfer_config=transfer, dtype=dtype, block_size=BLOCK, enforce_eager=True,
+              max_model_len=1024, enable_prefix_caching=False, kv_cache_memory_bytes=96 * BLOCK * per_token)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _ask(llm: Any, ids: list[int]) -> list[int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return list(llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+@contextmanager
+def _scatter_heads_permuted() -> Iterator[None]:
+    """The worker's loads write each layer's KV heads one place off (a scatter's layout bug)."""
+    from kvstore.integrations import vllm_worker
+
+    original = vllm_worker._Load.scatter
+
+    def scatter(self: Any, layout: Any, layer: Any, i: int) -> None:
+        if self.pinned is not None:
+            layout.scatter_runs(layer, self.block_ids,
+                                [(run.first, run.pages[:, i].roll(1, dims=-2)) for run in self.pinned.runs])
+        else:
+            layout.scatter(layer, self.block_ids, self.kv[i].roll(1, dims=-2).to(layer.device))
+
+    vllm_worker._Load.scatter = scatter
+    try:
+        yield
+    finally:
+        vllm_worker._Load.scatter = original
+
+
+def _counts(backend: Any, model: str) -> tuple[int, int]:
+    tiers = backend.stats()["audits"].get(model, {})
+    return sum(c["passes"] for c in tiers.values()), sum(c["failures"] for c in tiers.values())
+
+
+def run_vllm_audit(dtype: str, path: str, clean_hits: int, *, faults: tuple[str, ...] = VLLM_FAULTS,
+                   documents: int = 6, document_tokens: int = 480, seed: int = 42) -> VllmAuditReport:
+    began = time.perf_counter()
+    report = VllmAuditReport(dtype, path)
+    model = real_model(dtype)
+    name = "smollm2"  # the store's name for the model, as vLLM serves the checkpoint directory
+    model.name = name
+    text = real_text(model)
+    rng = random.Random(seed)
+    with ExitStack() as stack:
+        config = StoreConfig(data_dir=None, cpu_bytes=256 << 20, disk_bytes=0)
+        if path == "sidecar":
+            from kvstore.api.client import KVStoreClient
+            from kvstore.decode.sidecar import InProcessSidecar
+
+            sidecar = InProcessSidecar(config)
+            url = stack.enter_context(sidecar)
+            backend: Any = stack.enter_context(KVStoreClient(url))
+            target = sidecar._store  # the sidecar's own store, for faults written behind its back
+            extra: dict[str, Any] = {"url": url, "audit_rate": 1.0, "timeout_s": 60}
+        else:
+            from kvstore.integrations.connector_config import ConnectorConfig
+            from kvstore.integrations.store_link import release_store, shared_store
+
+            extra = {"cpu_bytes": "256MiB", "disk_bytes": 0, "audit_rate": 1.0, "timeout_s": 60}
+            store_config = ConnectorConfig.from_extra_config(extra).store
+            backend = target = shared_store(store_config)  # the very store the engine opens
+            stack.callback(release_store, store_config)
+        llm = stack.enter_context(_engine(dtype, extra))
+        backend.register_model(name, model.spec)
+        from kvstore.decode import generate
+
+        def hits(n: int, store_docs: Any) -> int:
+            docs = []
+            for _ in range(documents):
+                at = rng.randrange(0, len(text) - document_tokens)
+                docs.append(text[at:at + document_tokens])
+                store_docs(docs[-1])
+            done = 0
+            for i in range(n):
+                doc = docs[i % documents]
+                m = rng.randrange(2 * BLOCK + 1, document_tokens)
+                tail = rng.randrange(0, len(text) - 16)
+                passes, failures = _counts(backend, name)
+                _ask(llm, doc[:m] + text[tail:tail + rng.randrange(1, 12)])
+                after = _counts(backend, name)
+                done += after[0] - passes
+                report.failures += after[1] - failures
+            return done
+
+        report.cross_engine_hits = hits(clean_hits // 2, lambda doc: generate(model, doc, 1, backend=backend))
+        report.same_engine_hits = hits(clean_hits - clean_hits // 2, lambda doc: _ask(llm, doc))
+        for fault in faults:
+            report.faults.append(_fault_case(llm, model, backend, target, text, fault, rng))
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def _fault_case(llm: Any, model: Any, backend: Any, target: Any, text: list[int], fault: str,
+                rng: random.Random) -> VllmFaultCase:
+    """`backend`: how the engine reaches the store (the store, or a client of the sidecar);
+    `target`: the store itself, whose slots a fault may write behind its back."""
+    began = time.perf_counter()
+    at = rng.randrange(0, len(text) - 1000)
+    prompt = text[at:at + 5 * BLOCK]
+    other = text[at + 300:at + 300 + 5 * BLOCK]
+    request = prompt + text[at + 500:at + 509]
+    follow_up = prompt + text[at + 600:at + 611]
+
+    def empty() -> None:
+        backend.drop_model(model.name)
+        backend.register_model(model.name, model.spec)
+
+    empty()
+    expected = _ask(llm, request)  # the engine's own full prefill (nothing stored yet)
+    empty()
+    expected_next = _ask(llm, follow_up)
+    empty()
+    audited = len(prompt) // BLOCK - 1  # the withheld block: the last whole one of the match
+    with ExitStack() as stack:
+        if fault == "scatter-heads-permuted":
+            backend.store(model.name, prompt, full_kv(model, prompt))
+            stack.enter_context(_scatter_heads_permuted())
+        else:
+            plant(fault, model, target, prompt, other, audited * BLOCK // model.spec.page_size, rng)
+        failures = _counts(backend, model.name)[1]
+        answer = _ask(llm, request)
+        detected = _counts(backend, model.name)[1] == failures + 1
+        left = backend.lookup(model.name, prompt).matched_tokens
+    next_answer = _ask(llm, follow_up)
+    return VllmFaultCase(fault, detected, left, answer == expected, next_answer == expected_next,
+                         time.perf_counter() - began)
+

@@ -1,0 +1,94 @@
+"""The vLLM connector's audit, without an engine (kvstore/integrations/vllm_audit.py): which hits
+withhold a block, which step audits it, and what a failed audit reports. The real model in vLLM:
+`python bench/chaos.py --only audit` (bench/reliability/vllm_audit.py)."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstore.integrations.connector_config import ConnectorConfig
+from kvstore.integrations.vllm_audit import SchedulerAudits, WorkerAudits
+
+B = 32
+
+
+def step(req_id: str, computed: int, scheduled: int) -> SimpleNamespace:
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=computed)],
+                           num_scheduled_tokens={req_id: scheduled})
+
+
+def test_an_audited_hit_withholds_its_last_block_and_the_step_that_computes_it_audits_it():
+    audits = SchedulerAudits(1.0, B)
+    assert audits.withhold("r", 0, 4 * B, load_async=False) == 3 * B
+    prompt = list(range(200))
+    audits.allocated("r", None, prompt, block_ids=[7, 8, 9, 10, 11, 12, 13], load_start=0, load_end=3 * B)
+    [spec] = audits.take(step("r", 3 * B, 200 - 3 * B))
+    assert (spec.start, spec.block_id, spec.loaded_block_ids, spec.tokens) == (3 * B, 10, [7, 8, 9], prompt[:4 * B])
+    assert len(audits) == 0
+
+
+def test_what_is_not_audited():
+    audits = SchedulerAudits(1.0, B)
+    assert audits.withhold("one-block", 0, B, load_async=False) == B  # nothing would be loaded
+    assert audits.withhold("local", 2 * B, 3 * B, load_async=False) == 3 * B  # vLLM's own hit ends a block before
+    assert audits.withhold("async", 0, 4 * B, load_async=True) == 4 * B  # its block is computed in a later step
+    assert SchedulerAudits(0.0, B).withhold("off", 0, 4 * B, load_async=False) == 4 * B
+    sampled = SchedulerAudits(0.5, B, random.Random(0))
+    withheld = sum(sampled.withhold(str(i), 0, 4 * B, load_async=False) == 3 * B for i in range(400))
+    assert 150 < withheld < 250
+    # A step too short to compute the withheld block does not audit it.
+    short = SchedulerAudits(1.0, B)
+    short.withhold("r", 0, 4 * B, load_async=False)
+    short.allocated("r", None, list(range(200)), [1, 2, 3, 4, 5], 0, 3 * B)
+    assert short.take(step("r", 3 * B, B - 1)) == []
+    short.forget("r")
+    assert len(short) == 0
+
+
+class Layout:  # the canonical (num_blocks, 2, B, H, D) blocks
+    def gather(self, layer: torch.Tensor, block_ids: torch.Tensor, out=None) -> torch.Tensor:
+        return layer[block_ids[0]]
+
+
+class Link:
+    def __init__(self, stored: torch.Tensor):
+        self.stored, self.reports = stored, []
+
+    def audit_source(self, tokens, start, salt):
+        return "cpu", self.stored
+
+    def report_audit(self, tokens, salt, *, passed, tier, layer):
+        self.reports.append((passed, tier, layer))
+
+
+@pytest.mark.parametrize("wrong_layer", [None, 2])
+def test_the_worker_compares_each_layer_and_a_failure_becomes_load_errors(wrong_layer):
+    L, H, D = 4, 2, 8
+    caches = [torch.randn(6, 2, B, H, D, generator=torch.Generator().manual_seed(i)) for i in range(L)]
+    stored = torch.stack([c[3] for c in caches])  # (L, 2, B, H, D): the block as the store holds it
+    if wrong_layer is not None:
+        stored[wrong_layer, 1] = stored[wrong_layer, 1].roll(1, dims=-2)  # V heads in the wrong order
+    audits = SchedulerAudits(1.0, B)
+    audits.withhold("r", 0, 4 * B, load_async=False)
+    audits.allocated("r", "salt", list(range(150)), [0, 1, 2, 3, 4], 0, 3 * B)
+    specs = audits.take(step("r", 3 * B, 150 - 3 * B))
+    worker, link = WorkerAudits(L, torch.float32), Link(stored)
+    worker.start(link, specs, torch.device("cpu"))
+    for i, cache in enumerate(caches):
+        worker.on_layer(Layout(), cache, i)
+    failed, spoiled = worker.finish(link)
+    if wrong_layer is None:
+        assert (failed, spoiled, link.reports) == (set(), set(), [(True, "cpu", None)])
+    else:
+        assert failed == {0, 1, 2} and spoiled == {"r"} and link.reports == [(False, "cpu", wrong_layer)]
+    assert worker.finish(link) == (set(), set())  # judged once
+
+
+def test_audit_rate_in_the_connector_config():
+    assert ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB"}).audit_rate == 0.0
+    assert ConnectorConfig.from_extra_config({"url": "http://127.0.0.1:1", "audit_rate": 0.01}).audit_rate == 0.01
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config.audit_rate: must be a number in \[0, 1\]"):
+        ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB", "audit_rate": 2})
