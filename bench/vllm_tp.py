@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens of the prompts that only check answers (the failed rank's, P/D) and the warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs per hit measurement (best of)")
     parser.add_argument("--skip-pd", action="store_true", help="leave out the P/D deployments (4 engine servers)")
+    parser.add_argument("--slices-only", action="store_true",
+                        help="only the head-slice fetches and part stores (no engine; seconds, not minutes)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--engine-job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -218,6 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     model = load_checkpoint(directory, name=directory.name)
     spec = model.spec
     rank_heads(spec.num_kv_heads, args.tp, 0)  # refuses a degree vLLM would refuse, before any engine starts
+    if args.slices_only:
+        with tempfile.TemporaryDirectory(prefix="vllm-tp-") as tmp:
+            sidecar, url = start_sidecar(Path(tmp) / "sidecar", "1GiB")
+            try:
+                slices = slice_fetches(url, spec, args.tokens, args.tp)
+                results = {"tp": args.tp, "tokens": args.tokens, "slices": slices}
+            finally:
+                sidecar.kill()
+                sidecar.wait(30)
+        checks = judge_slices(results)
+        print_slices(results, checks)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"results": results, "targets": TARGETS, "checks": checks}, indent=2))
+        return 0 if all(check["met"] for check in checks) else 1
     prompt = Prompts(str(directory), 0, True)
     a, b = (prompt(args.tokens, salt=s) for s in (1, 2))
     c, d, fault = (prompt(args.check_tokens, salt=s) for s in (3, 4, 5))
@@ -293,10 +310,7 @@ def judge(results: dict[str, Any], whole_pages: int) -> list[dict[str, Any]]:
          "limit": TARGETS["hit_over_full_prefill"],
          "met": tpn["store_hit"]["seconds"] <= TARGETS["hit_over_full_prefill"] * tpn["full"]["seconds"]},
     ]
-    for transport in ("shm", "tcp"):
-        ratio = results["slices"][f"{transport}_slice_s"] / results["slices"][f"{transport}_whole_s"]
-        checks.append({"check": f"1/{results['tp']} head slice / whole pages fetch ({transport})", "value": ratio,
-                       "limit": TARGETS["slice_over_whole_fetch"], "met": ratio <= TARGETS["slice_over_whole_fetch"]})
+    checks += judge_slices(results)
     same = [("TP=n: store hit's answer == its full prefill's",
              tpn["a_hit_answer"]["tokens"] == tpn["a_full_answer"]["tokens"]),
             ("TP=n: the failed rank's prompt, recomputed, answers the same", tpn["fault"]["tokens"]
@@ -312,6 +326,28 @@ def judge(results: dict[str, Any], whole_pages: int) -> list[dict[str, Any]]:
     return checks
 
 
+def judge_slices(results: dict[str, Any]) -> list[dict[str, Any]]:
+    checks = []
+    for transport in ("shm", "tcp"):
+        ratio = results["slices"][f"{transport}_slice_s"] / results["slices"][f"{transport}_whole_s"]
+        checks.append({"check": f"1/{results['tp']} head slice / whole pages fetch ({transport})", "value": ratio,
+                       "limit": TARGETS["slice_over_whole_fetch"], "met": ratio <= TARGETS["slice_over_whole_fetch"]})
+    return checks
+
+
+def print_slices(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
+    s, n = results["slices"], results["tp"]
+    print(f"SmolLM2-135M-Instruct's KV (float32), {results['tokens']} tokens, through a sidecar:")
+    print(f"fetch of the whole pages / a 1/{n} head slice: shared memory {1e3 * s['shm_whole_s']:.1f} / "
+          f"{1e3 * s['shm_slice_s']:.1f} ms, TCP {1e3 * s['tcp_whole_s']:.1f} / {1e3 * s['tcp_slice_s']:.1f} ms")
+    print(f"store of the whole pages / as {n} head parts: shared memory {1e3 * s['shm_store_whole_s']:.1f} / "
+          f"{1e3 * s['shm_store_parts_s']:.1f} ms, TCP {1e3 * s['tcp_store_whole_s']:.1f} / "
+          f"{1e3 * s['tcp_store_parts_s']:.1f} ms")
+    for check in checks:
+        print(f"  {check['check']}: {check['value']:.3f} (limit {check['limit']}) -> "
+              f"{'met' if check['met'] else 'NOT met'}")
+
+
 def print_table(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
     tpn, n = results["tpn"], results["tp"]
     print(f"SmolLM2-135M-Instruct, float32, {results['tokens']}-token prompts; TP=1 and TP={n}")
@@ -320,12 +356,7 @@ def print_table(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
           f"({tpn['store_hit']['cached']} tokens loaded); hit / full "
           f"{tpn['store_hit']['seconds'] / tpn['full']['seconds']:.3f}, hit / own hit "
           f"{tpn['store_hit']['seconds'] / tpn['own_hit']['seconds']:.2f}")
-    s = results["slices"]
-    print(f"fetch of the whole pages / a 1/{n} head slice: shared memory {1e3 * s['shm_whole_s']:.1f} / "
-          f"{1e3 * s['shm_slice_s']:.1f} ms, TCP {1e3 * s['tcp_whole_s']:.1f} / {1e3 * s['tcp_slice_s']:.1f} ms")
-    print(f"store of the whole pages / as {n} head parts: shared memory {1e3 * s['shm_store_whole_s']:.1f} / "
-          f"{1e3 * s['shm_store_parts_s']:.1f} ms, TCP {1e3 * s['tcp_store_whole_s']:.1f} / "
-          f"{1e3 * s['tcp_store_parts_s']:.1f} ms")
+    print_slices(results, [])
     print(f"the failed rank's prompt: {results['fault_partial_pages']['pages']} pages waiting for their other "
           f"parts, {results['fault_lookup']} tokens served")
     for check in checks:

@@ -39,6 +39,7 @@ from kvstore.config import ModelSpec
 from kvstore.copy_threads import copy_all
 from kvstore.errors import InsufficientStorage, PartConflict
 from kvstore.host_copy import host_array
+from kvstore.host_memory import empty_host
 from kvstore.index import TOKEN_BYTES
 from kvstore.keys import page_key
 from kvstore.page_slice import PageSlice
@@ -142,8 +143,8 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
     new_pages = 0
     for first, last in _runs(whole):
         s, e = whole[first][2], whole[last - 1][3]
-        run_kv = whole[first][1].kv if last - first == 1 else torch.cat([p.kv for _, p, _, _ in whole[first:last]], 2)
-        new_pages += store_pages(state, fetch, root_key, namespace, spec, tb[:e * TOKEN_BYTES], run_kv, s).new_pages
+        new_pages += store_pages(state, fetch, root_key, namespace, spec, tb[:e * TOKEN_BYTES],
+                                 _joined([page.kv for _, page, _, _ in whole[first:last]]), s).new_pages
     return StoreResult(held, new_pages)
 
 
@@ -154,6 +155,24 @@ def _runs(whole: list[tuple[bytes, PartialPage, int, int]]) -> Iterator[tuple[in
         if i == len(whole) or whole[i][2] != whole[i - 1][3]:
             yield first, i
             first = i
+
+
+def _joined(pages: list[torch.Tensor]) -> torch.Tensor:
+    """The pages' KV end to end, (L, 2, T, H, D), copied by numpy (copy_threads.py): torch.cat
+    runs on torch's intra-op threads, which a busy host stalls by seconds."""
+    if len(pages) == 1:
+        return pages[0]
+    first = pages[0]
+    out = empty_host((*first.shape[:2], sum(p.shape[2] for p in pages), *first.shape[3:]), first.dtype)
+    copies, t = [], 0
+    for page in pages:
+        n = page.shape[2]
+        dst, src = host_array(out[:, :, t:t + n]), host_array(page)
+        assert dst is not None and src is not None, "staged pages are host tensors"
+        copies.append((dst, src))
+        t += n
+    copy_all(copies)
+    return out
 
 
 def _unclaim(page: PartialPage, part: PageSlice, spec: ModelSpec) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from kvstore.codecs import TORCH_DTYPES
@@ -24,8 +25,8 @@ class PartialPage:
 
     def __init__(self, spec: ModelSpec, num_tokens: int, deadline: float):
         self.kv = torch.empty(spec.kv_shape(num_tokens), dtype=TORCH_DTYPES[spec.dtype])
-        self.claimed = torch.zeros(spec.num_layers, spec.num_kv_heads, dtype=torch.bool)
-        self.written = torch.zeros(spec.num_layers, spec.num_kv_heads, dtype=torch.bool)
+        self.claimed = np.zeros((spec.num_layers, spec.num_kv_heads), dtype=bool)  # (layer, KV head) cells
+        self.written = np.zeros((spec.num_layers, spec.num_kv_heads), dtype=bool)
         self.parts: set[PageSlice] = set()  # the parts claimed so far
         self.deadline = deadline
         self.nbytes = self.kv.numel() * self.kv.element_size()
