@@ -5,7 +5,9 @@ pages, so an engine at any degree (or the decode loop) reuses what any other sto
 TP=2 gives each rank one KV head; TP=4 puts each KV head on two ranks, of which one stores it and
 both load it. Each engine runs in a process of its own (run_vllm_engine.py) with its ranks in
 processes of their own (the "mp" executor), vLLM's prefix cache off, so every hit it reports is
-the store's. The engines' TP=1 counterpart is the decode loop, whose pages and answers match a
+the store's. The TP=2 engine has an in-process store (its scheduler serves it to both ranks) on
+a data directory; a `kvstore serve` sidecar then opens that directory, and the TP=4 engine and
+the checks here use it. The engines' TP=1 counterpart is the decode loop, whose pages and answers match a
 TP=1 vLLM engine's (test_vllm_e2e.py). The real model (SmolLM2, 3 KV heads) runs at TP=3 in
 bench/vllm_tp.py.
 """
@@ -26,7 +28,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (without CUDA, make in
 from integrations.decode_kv import decode_kv  # noqa: E402
 from bench.reliability.rank_fault_connector import FAULT_SALT  # noqa: E402
 from integrations.sidecar_process import Sidecar  # noqa: E402
-from kvstore import KVStoreClient  # noqa: E402
+from kvstore import KVStore, KVStoreClient, StoreConfig  # noqa: E402
 from kvstore.decode.engine import generate  # noqa: E402
 from kvstore.decode.loader import load_checkpoint  # noqa: E402
 from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
@@ -58,10 +60,17 @@ def decode_model(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory):
-    # Parts wait long enough here for the test to see what a rank that failed left waiting.
-    side = Sidecar(tmp_path_factory.mktemp("tp-sidecar") / "data", cpu_bytes="64MiB", disk_bytes="0",
-                   extra_args=["--part-timeout-s", "900"])
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp-store") / "data"
+
+
+STORE = {"cpu_bytes": "64MiB", "disk_bytes": "64MiB"}
+
+
+@pytest.fixture(scope="module")
+def sidecar(tp2, data_dir):
+    """`kvstore serve` on the TP=2 engine's store directory, once that engine has exited."""
+    side = Sidecar(data_dir, cpu_bytes=STORE["cpu_bytes"], disk_bytes=STORE["disk_bytes"])
     side.start()
     yield side
     side.kill()
@@ -73,10 +82,11 @@ def client(sidecar):
         yield c
 
 
-def run_engine(checkpoint: Path, sidecar: Sidecar, tp: int, prompts: list[list[int]],
+def run_engine(checkpoint: Path, store: dict, tp: int, prompts: list[list[int]],
                salts: list[str | None]) -> list[dict]:
-    """Each prompt's greedy tokens and store hit, one request at a time, by a fresh engine at `tp`."""
-    job = {"model": str(checkpoint), "extra": {"url": sidecar.url, "timeout_s": 30, "retry_after_s": 1},
+    """Each prompt's greedy tokens and store hit, one request at a time, by a fresh engine at `tp`
+    whose kv_connector_extra_config is `store` (a sidecar's url, or an in-process store's fields)."""
+    job = {"model": str(checkpoint), "extra": {**store, "timeout_s": 30, "retry_after_s": 1},
            "prompts": prompts, "salts": salts, "max_tokens": 8, "engine": dict(ENGINE, tensor_parallel_size=tp),
            "connector_module": "bench.reliability.rank_fault_connector"}
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -101,16 +111,18 @@ def close_to_decode_loop(fetched: torch.Tensor, ours: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoint, sidecar, client, decode_model):
-    """One TP=2 engine: it stores a fresh prompt, loads one the decode loop stored, computes that
-    one in full for reference, and serves a prompt whose rank 1 fails every store, twice."""
+def tp2(checkpoint, data_dir, decode_model):
+    """One TP=2 engine with an in-process store: it stores a fresh prompt, loads one the decode
+    loop stored there before, computes that one in full for reference, and serves a prompt whose
+    rank 1 fails every store, twice."""
     from_decode_loop = prompt_tokens(21, 300)
-    stored = generate(decode_model, from_decode_loop, 2, client)
+    with KVStore(StoreConfig(data_dir=str(data_dir), cpu_bytes=64 << 20, disk_bytes=64 << 20)) as store:
+        stored = generate(decode_model, from_decode_loop, 2, store)
     assert stored.stored_tokens >= len(from_decode_loop)
     prompts = {"fresh": prompt_tokens(20, 330), "loads": from_decode_loop, "reference": from_decode_loop,
                "fault": prompt_tokens(22, 200), "fault again": prompt_tokens(22, 200)}
     salts = [None, None, UNSERVED_SALT, FAULT_SALT, FAULT_SALT]
-    outputs = run_engine(checkpoint, sidecar, 2, list(prompts.values()), salts)
+    outputs = run_engine(checkpoint, {"data_dir": str(data_dir), **STORE}, 2, list(prompts.values()), salts)
     return {"prompts": prompts, "outputs": dict(zip(prompts, outputs))}
 
 
@@ -143,8 +155,6 @@ def test_a_rank_whose_store_fails_leaves_no_page_served_and_the_next_request_rec
     assert client.fetch("gqa", prompt, salt=FAULT_SALT, heads=(0, 1)).matched_tokens == 0  # rank 0's part too
     assert out["fault"]["cached"] == out["fault again"]["cached"] == 0
     assert out["fault again"]["tokens"] == out["fault"]["tokens"]
-    # Rank 0's parts of the prompt's pages wait for rank 1's, served to nobody.
-    assert client.stats()["partial_pages"]["pages"] == len(prompt) // BLOCK * BLOCK // 16
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +163,7 @@ def tp4(tp2, checkpoint, sidecar):
     a fresh prompt."""
     prompts = {"loads": tp2["prompts"]["fresh"], "reference": tp2["prompts"]["fresh"],
                "fresh": prompt_tokens(23, 260)}
-    outputs = run_engine(checkpoint, sidecar, 4, list(prompts.values()), [None, UNSERVED_SALT, None])
+    outputs = run_engine(checkpoint, {"url": sidecar.url}, 4, list(prompts.values()), [None, UNSERVED_SALT, None])
     return {"prompts": prompts, "outputs": dict(zip(prompts, outputs))}
 
 
