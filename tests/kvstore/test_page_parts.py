@@ -215,3 +215,17 @@ def test_parts_reach_the_disk_tier_whole(make_store, spec3, tmp_path):
         assert torch.equal(reopened.fetch(MODEL, tokens).kv, kv)
     finally:
         reopened.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_slice_of_coded_pages_is_that_slice_of_the_whole_answer(make_store, spec3, codec):
+    """Pages a codec holds are decoded whole and sliced: the slice equals the whole answer's."""
+    store = make_store(cpu_bytes=1 << 20, disk_bytes=0, data_dir=None, cpu_codec=codec)
+    store.register_model(MODEL, spec3)
+    tokens = list(range(30))
+    store.store(MODEL, tokens, random_kv(spec3, 30))
+    whole = store.fetch(MODEL, tokens, start=5).kv
+    for heads, layers in [((0, 1), None), ((1, 3), (1, 3)), (None, (2, 3))]:
+        got = store.fetch(MODEL, tokens, start=5, heads=heads, layers=layers).kv
+        h, ly = heads or (0, 3), layers or (0, 3)
+        assert torch.equal(got, whole[ly[0]:ly[1], :, :, h[0]:h[1]])
