@@ -1,8 +1,17 @@
 """A retrieval-style workload of real text for CacheBlend: documents, prompts, needle questions.
 
-Documents are sections of the Python language reference that ships with Python
-(`pydoc_data.topics`): each topic is cut at paragraph boundaries into pieces of
-`doc_tokens` tokens (a topic shorter than the minimum is not used). A prompt is
+Two workloads of different kinds, by name (`WORKLOADS`):
+
+    langref   sections of the Python language reference that ships with Python
+              (`pydoc_data.topics`), 200-600 tokens each, 3-8 per prompt; questions ask what a
+              section explains; needles are a reviewer's name and review number
+    packages  the long descriptions and license texts of the packages `make install` puts in
+              place (bench/blend_packages.py): READMEs in Markdown and reStructuredText with code,
+              lists and tables, and legal text; 80-700 tokens each, 2-12 per prompt; other
+              question forms, other needles
+
+Each text is cut at paragraph boundaries into pieces of `doc_tokens` tokens (a piece outside
+the range is not used). A prompt is
 
     [system prompt + the user turn's opening] [document] ... [document] [question + assistant turn]
 
@@ -15,8 +24,9 @@ a planted fact sentence (a name and a number) and the question asks for the numb
 checked exactly. The other prompts ask about one of their documents by title, with no single
 right answer: their quality is how close the answer stays to a full prefill's.
 
-Everything comes from `seed`: the same seed, tokenizer and config give the same prompts.
-Nothing generated is committed; `python bench/blend_workload.py` prints a summary.
+Everything comes from `seed`: the same seed, tokenizer, config and installed text give the
+same prompts. Nothing generated is committed; `python bench/blend_workload.py [NAME]` prints a
+summary.
 """
 from __future__ import annotations
 
@@ -32,14 +42,81 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question at the end using the documents "
-                 "from the Python language reference below.")
 NAMES = ("Mirela Okafor", "Tobias Lindqvist", "Ana Ferreira", "Kenji Watanabe", "Priya Raman", "Lucas Moreau",
          "Amara Nwosu", "Jonas Becker", "Sofia Rossi", "Daniel Kowalski", "Leila Haddad", "Mateo Alvarez")
 
 
 @dataclass(frozen=True)
+class Needle:
+    fact: str  # the sentence planted in a document
+    question: str
+    answer: str  # the number the answer must name first
+
+
+class LanguageReference:
+    """Sections of the Python language reference (`pydoc_data.topics`, part of every Python)."""
+
+    name = "langref"
+    system_prompt = ("You are a helpful assistant. Answer the question at the end using the documents "
+                     "from the Python language reference below.")
+    config_defaults = {"doc_tokens": (200, 600), "docs_per_prompt": (3, 8), "pool_docs": 40}
+    max_pieces = None  # every piece of every section
+
+    def texts(self) -> list[tuple[str, list[str]]]:
+        """(title, paragraphs) of each text, in a fixed order."""
+        from pydoc_data.topics import topics
+
+        out = []
+        for key in sorted(topics):
+            paragraphs = [p for p in topics[key].strip().split("\n\n") if p.strip()]
+            out.append((paragraphs[0].splitlines()[0].strip(), paragraphs))
+        return out
+
+    def piece(self, title: str, part: int, paragraphs: list[str]) -> str:
+        text = "\n\n".join(paragraphs) + "\n\n"
+        return text if part == 1 else f"## {title} (part {part})\n\n" + text
+
+    def needle(self, rng: random.Random) -> Needle:
+        name, answer = rng.choice(NAMES), str(rng.randint(1000, 9999))
+        return Needle(f"The reviewer of this section is {name}, and its review number is {answer}.",
+                      f"What is the review number of the section reviewed by {name}? Answer with the number only.",
+                      answer)
+
+    def needle_place(self, rng: random.Random, paragraphs: int) -> int:
+        return rng.randint(1, paragraphs)  # after the section's heading paragraph
+
+    def question(self, rng: random.Random, doc: "Document") -> str:
+        return f"What does the document \"{doc.title}\" explain? Answer in one sentence."
+
+    def question_turn(self, question: str) -> str:
+        return f"Question: {question}"
+
+
+def _source(name: str):
+    if name == "packages":
+        from bench.blend_packages import PackageDocs
+
+        return PackageDocs()
+    return LanguageReference()
+
+
+class _Defaults:
+    """WORKLOADS[name].config_defaults without importing a source before it is used."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @property
+    def config_defaults(self) -> dict:
+        return _source(self.name).config_defaults
+
+
+WORKLOADS = {"langref": _Defaults("langref"), "packages": _Defaults("packages")}
+
+
+@dataclass(frozen=True)
 class WorkloadConfig:
+    name: str = "langref"  # which text, questions and needles (WORKLOADS)
     prompts: int = 100
     seed: int = 0
     doc_tokens: tuple[int, int] = (200, 600)  # each document's length, inclusive
@@ -49,6 +126,8 @@ class WorkloadConfig:
     needle_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise ValueError(f"workload: must be one of {', '.join(WORKLOADS)}, got {self.name!r}")
         if self.prompts < 1:
             raise ValueError(f"prompts: must be >= 1, got {self.prompts}")
         for name in ("doc_tokens", "docs_per_prompt", "prompt_tokens"):
@@ -60,6 +139,15 @@ class WorkloadConfig:
                              f"got {self.pool_docs}")
         if not 0.0 <= self.needle_fraction <= 1.0:
             raise ValueError(f"needle_fraction: must be in [0, 1], got {self.needle_fraction}")
+
+
+    @classmethod
+    def named(cls, name: str, **overrides) -> "WorkloadConfig":
+        """The config of workload `name`: its own document sizes, then `overrides` (None: the default)."""
+        if name not in WORKLOADS:
+            raise ValueError(f"workload: must be one of {', '.join(WORKLOADS)}, got {name!r}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return cls(name=name, **(WORKLOADS[name].config_defaults | given))
 
 
 @dataclass(frozen=True)
@@ -94,7 +182,8 @@ class Workload:
     def __init__(self, tokenizer, config: WorkloadConfig = WorkloadConfig()):
         self.tokenizer = tokenizer
         self.config = config
-        turn = tokenizer.hf.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+        self.source = _source(config.name)
+        turn = tokenizer.hf.apply_chat_template([{"role": "system", "content": self.source.system_prompt},
                                                  {"role": "user", "content": "\x00"}],
                                                 tokenize=False, add_generation_prompt=True)
         self.opening, self.closing = turn.split("\x00")  # the template around the user's content
@@ -107,28 +196,27 @@ class Workload:
         return self.tokenizer.encode(text)
 
     def _documents(self) -> list[Document]:
-        """Each topic cut at paragraph boundaries into pieces of `doc_tokens` tokens. Pieces are
-        grown by the paragraphs' own token counts; each piece is then tokenized whole and kept
-        only if that count is within the range."""
-        from pydoc_data.topics import topics
-
+        """Each text cut at paragraph boundaries into pieces of `doc_tokens` tokens (the source's
+        first `max_pieces` of each text, if it sets that). Pieces are grown by the paragraphs' own
+        token counts; each piece is then tokenized whole and kept only if that count is within
+        the range."""
         lo, hi = self.config.doc_tokens
         docs = []
-        for key in sorted(topics):
-            paragraphs = [p for p in topics[key].strip().split("\n\n") if p.strip()]
-            sizes = [len(self.encode(p)) + 1 for p in paragraphs]  # + the paragraph break
-            title = paragraphs[0].splitlines()[0].strip()
+        for title, paragraphs in self.source.texts():
             pieces: list[list[str]] = [[]]
             used = 0
-            for paragraph, size in zip(paragraphs, sizes):
+            for paragraph in paragraphs:
+                size = len(self.encode(paragraph)) + 1  # + the paragraph break
                 if used + size > hi and pieces[-1]:
+                    if len(pieces) == self.source.max_pieces:
+                        break
                     pieces.append([])
                     used = 0
                 pieces[-1].append(paragraph)
                 used += size
             for part, piece in enumerate(pieces, 1):
                 name = title if part == 1 else f"{title} (part {part})"
-                body = "\n\n".join(piece) + "\n\n" if part == 1 else f"## {name}\n\n" + "\n\n".join(piece) + "\n\n"
+                body = self.source.piece(title, part, piece)
                 tokens = self.encode(body)
                 if lo <= len(tokens) <= hi:
                     docs.append(Document(name, body, tuple(tokens)))
@@ -149,34 +237,35 @@ class Workload:
             chunks = [list(d.tokens) for d in docs]
             answer = None
             if needle:
-                name, answer = rng.choice(NAMES), str(rng.randint(1000, 9999))
-                fact = f"The reviewer of this section is {name}, and its review number is {answer}."
+                planted = self.source.needle(rng)
+                answer, question = planted.answer, planted.question
                 paragraphs = docs[target].text.rstrip("\n").split("\n\n")
-                at = rng.randint(1, len(paragraphs))
-                text = "\n\n".join(paragraphs[:at] + [fact] + paragraphs[at:]) + "\n\n"
+                at = self.source.needle_place(rng, len(paragraphs))
+                text = "\n\n".join(paragraphs[:at] + [planted.fact] + paragraphs[at:]) + "\n\n"
                 chunks[target] = self.encode(text)
-                question = (f"What is the review number of the section reviewed by {name}? "
-                            f"Answer with the number only.")
             else:
-                question = f"What does the document \"{docs[target].title}\" explain? Answer in one sentence."
-            question_ids = self.encode(f"Question: {question}{self.closing}")
+                question = self.source.question(rng, docs[target])
+            question_ids = self.encode(f"{self.source.question_turn(question)}{self.closing}")
             total = len(prefix) + sum(map(len, chunks)) + len(question_ids)
             if lo <= total <= hi:
                 return BlendPrompt(prefix, chunks, question_ids, [d.title for d in docs], question,
                                    answer, target if needle else None)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from kvstore.decode import load_model
 
-    workload = Workload(load_model("smollm2").tokenizer)
+    args = sys.argv[1:] if argv is None else argv
+    name = args[0] if args else "langref"
+    workload = Workload(load_model("smollm2").tokenizer, WorkloadConfig.named(name))
     prompts = workload.prompts()
     lengths = [len(p.tokens) for p in prompts]
     uses: dict[tuple[int, ...], int] = {}
     for p in prompts:
         for c in p.chunks:
             uses[tuple(c)] = uses.get(tuple(c), 0) + 1
-    print(f"{len(workload.documents)} documents of {workload.config.doc_tokens} tokens; {len(prompts)} prompts of "
+    print(f"{name}: {len(workload.documents)} documents of {workload.config.doc_tokens} tokens; "
+          f"{len(prompts)} prompts of "
           f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
           f"{sum(p.needle_answer is not None for p in prompts)} needle questions, "
           f"{len(uses)} distinct chunks used {sum(uses.values())} times")

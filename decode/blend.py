@@ -7,9 +7,9 @@ tool outputs, the user's question). Its prefill:
     chunks    `backend.blend`: each chunk's stored standalone KV, K re-rotated to the positions
               the chunk takes here; a missed chunk is computed standalone (positions 0..n-1),
               stored with `store_chunk` for the next request, and moved into place the same way
-    recompute decode/recompute.py: fresh KV for the fraction `ratio` of chunk tokens whose KV
-              deviates most (decode/blend_selection.py), restoring the cross-chunk attention
-              standalone KV lacks
+    recompute decode/recompute.py: fresh KV for the fraction `ratio` of chunk tokens that the
+              selection rule picks (decode/blend_selection.py), restoring the cross-chunk
+              attention standalone KV lacks
     question  computed in full, attending to everything before it: the first token's logits
 
 Only the prefix goes back to the store under prefix keys. Blended chunk KV is not what a full
@@ -134,7 +134,9 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
     chunk_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)  # (C,)
     ends = [start + sum(map(len, chunks[:i + 1])) for i in range(len(chunks))]
     prefix_ids = torch.tensor(prefix, dtype=torch.long, device=model.device)  # (start,)
-    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio, ends, prefix_ids, selection)
+    question_ids = torch.tensor(question, dtype=torch.long, device=model.device)  # (Q,)
+    recomputed = selective_recompute(model, chunk_ids, cache, table, start, ratio, ends, prefix_ids, selection,
+                                     question_ids)
     logits = _run(model, question, offset, cache, table, logits=True)
     assert logits is not None
     return BlendOutcome(logits, reused, hits, recomputed, fetch_s, "; ".join(errors) or None)

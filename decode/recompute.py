@@ -5,16 +5,21 @@ their new positions; what it lacks is cross-chunk attention (each chunk was comp
 Following CacheBlend (Yao et al., EuroSys 2025, §4.2-4.3), layer by layer:
 
     layer 0   every chunk token is computed (its input, the embedding, is exact), so its output,
-              the input of layer 1, is exact too
+              the input of layer 1, is exact too; so are the layers before the selection's
+              `select_layer`, when it is later
     layer l   the candidate tokens' fresh K/V replace the cached ones; of the candidates, only
-              the `keep[l]` whose K/V deviated most from the cached K/V go on through this
-              layer's attention and MLP to layer l + 1 (gradual filtering: 2r at layer 1, r after)
+              `keep[l]` go on through this layer's attention and MLP to layer l + 1, picked by
+              the selection rule (decode/blend_selection.py) from how far their K/V deviated
+              from the cached K/V, the chunks' openings and the question's attention (gradual
+              filtering: by default 2r at layer 1, r after)
 
 Attention of a recomputed token reads the cache as it is (fresh K/V where computed, reused
 elsewhere) under a causal mask by true positions. With `ratio = 1` every token is recomputed
 at every layer: exactly a full prefill. With `ratio = 0` nothing runs at all (full KV reuse).
 
-This module knows nothing of the store, of chunks' boundaries or of the question tokens.
+The question (the tokens after the last chunk) runs along through the narrowing layers when the
+rule reads its attention; it is computed again in full after the recompute, by the caller.
+This module knows nothing of the store.
 """
 from __future__ import annotations
 
@@ -28,34 +33,30 @@ from kvstore.decode.blend_selection import TokenSelection
 from kvstore.decode.model import LlamaModel
 from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 
-FIRST_FILTER_FACTOR = 2.0  # layer 1 keeps this many times `ratio`; later layers keep `ratio`
 SEGMENT_TOKENS = 1024  # recomputed queries attend in groups reading keys up to their group's end
 
 
-def recompute_sizes(num_tokens: int, ratio: float, num_layers: int) -> list[int]:
+def recompute_sizes(num_tokens: int, ratio: float, num_layers: int,
+                    selection: TokenSelection = TokenSelection()) -> list[int]:
     """Tokens that go through attention + MLP at each layer (the rest only get fresh K/V there)."""
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"blend_ratio: must be in [0, 1], got {ratio!r}")
-    if ratio == 0.0:
-        return [0] * num_layers
-    first = min(num_tokens, math.ceil(num_tokens * min(1.0, FIRST_FILTER_FACTOR * ratio)))
-    rest = min(first, math.ceil(num_tokens * ratio))
-    return [num_tokens] + [first] + [rest] * (num_layers - 2) if num_layers > 1 else [num_tokens]
+    return selection.keep_sizes(num_tokens, ratio, num_layers)
 
 
 @torch.inference_mode()
 def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: PagedKVCache, table: BlockTable,
                         start: int, ratio: float, segment_ends: Sequence[int] = (),
                         prefix_ids: torch.Tensor | None = None,
-                        selection: TokenSelection = TokenSelection()) -> int:
+                        selection: TokenSelection = TokenSelection(),
+                        question_ids: torch.Tensor | None = None) -> int:
     """Recompute the KV of tokens `input_ids` (T,) at positions start..start+T-1 (already in the
     cache, with every position before `start` exact: the tokens `prefix_ids` (start,)).
     `segment_ends` (the chunks' end positions) let a recomputed token's attention read only up
     to its segment's end instead of all T: a causal mask cannot skip work, a shorter key range
-    does. `selection` picks the tokens that go on at each narrowing layer (decode/blend_selection.py).
-    Returns how many tokens went through the last layer that ran attention."""
+    does. `selection` picks the tokens that go on at each narrowing layer (decode/blend_selection.py);
+    `question_ids` (Q,), the tokens right after the chunks, whose slots `table` holds, give it the
+    question's attention where it reads that. Returns how many tokens went through the last layer that ran attention."""
     T = input_ids.shape[0]
-    sizes = recompute_sizes(T, ratio, len(model.layers))
+    sizes = recompute_sizes(T, ratio, len(model.layers), selection)
     if T == 0 or sizes[0] == 0:
         return 0
     end = start + T
@@ -76,23 +77,25 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
     chosen = torch.arange(T, device=device)  # (C,) indices (into the T tokens) of the candidates
     chunk_position, chunk_length = _chunk_positions(start, end, segment_ends, device)  # (T,) each
     x = model.embed_tokens(input_ids)  # (C, hidden)
+    question = (_Question(model, question_ids, cache, table, end) if selection.needs_attention
+                and question_ids is not None and question_ids.numel() else None)
     ran = 0
     for index, layer in enumerate(model.layers):
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x), cos_all[chosen], sin_all[chosen])  # (C, Hq|H, D)
         k_pool, v_pool = cache.layer(index)
         keep, last = sizes[index], index == len(model.layers) - 1
-        if keep < chosen.shape[0] and not last:
-            # Deviation before overwriting: the reused K/V is what the fresh K/V is compared to.
-            cached = ((k_pool.index_select(0, slots[chosen]), v_pool.index_select(0, slots[chosen]))
-                      if selection.needs_deviation else None)  # (C, H, D) each
-            top = selection.pick(keep, layer=index, fresh=(k, v), cached=cached,
-                                 chunk_position=chunk_position[chosen],
-                                 chunk_length=chunk_length[chosen])  # (keep,) in position order
-        else:
-            top = None
+        narrows = keep < chosen.shape[0] and not last
+        # Deviation compares with the reused K/V: read before the fresh K/V overwrite it.
+        cached = ((k_pool.index_select(0, slots[chosen]), v_pool.index_select(0, slots[chosen]))
+                  if narrows and selection.needs_deviation else None)  # (C, H, D) each
         k_pool.index_copy_(0, slots[chosen], k)  # every candidate's fresh K/V is kept, selected or not
         v_pool.index_copy_(0, slots[chosen], v)
+        attention = None
+        if question is not None and index <= selection.last_narrowing:
+            attention = question.step(index, layer)[start:end][chosen]  # (C,) read at this layer's K/V
+        top = selection.pick(keep, layer=index, fresh=(k, v), cached=cached, chunk_position=chunk_position[chosen],
+                             chunk_length=chunk_length[chosen], attention=attention) if narrows else None
         if last:
             break  # the last layer's output feeds nothing but the LM head: K/V is all we need
         if top is not None:
@@ -110,6 +113,40 @@ def selective_recompute(model: LlamaModel, input_ids: torch.Tensor, cache: Paged
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         ran = chosen.shape[0]
     return ran
+
+
+class _Question:
+    """The question riding along the narrowing layers: its hidden state layer by layer and, at
+    each, its attention over every key before and in it (causal), summed over its tokens and heads."""
+
+    def __init__(self, model: LlamaModel, ids: torch.Tensor, cache: PagedKVCache, table: BlockTable, start: int):
+        self.model = model
+        end = start + ids.shape[0]
+        self.positions = torch.arange(start, end, device=model.device)  # (Q,)
+        self.cos, self.sin = model.rotary.cos_sin(self.positions, model.dtype)  # (Q, 1, D) each
+        self.write = cache.slots(table, start, end)  # (Q,)
+        self.read = cache.slots(table, 0, end)  # (S,) every key up to the question's end
+        self.cache = cache
+        self.x = model.embed_tokens(ids)  # (Q, hidden)
+
+    def step(self, index: int, layer) -> torch.Tensor:
+        """Run layer `index` for the question; return (S,) its attention mass on each key."""
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(self.x), self.cos, self.sin)  # (Q, Hq|H, D)
+        k_pool, v_pool = self.cache.layer(index)
+        k_pool.index_copy_(0, self.write, k)
+        v_pool.index_copy_(0, self.write, v)
+        keys, values = k_pool.index_select(0, self.read), v_pool.index_select(0, self.read)  # (S, H, D)
+        count, heads, dim = q.shape
+        groups = heads // keys.shape[1]
+        scores = torch.einsum("qhgd,shd->hgqs", q.float().view(count, -1, groups, dim), keys.float()) * attn.scale
+        key_pos = torch.arange(keys.shape[0], device=q.device)  # (S,)
+        scores.masked_fill_(key_pos[None, :] > self.positions[:, None], -math.inf)  # causal by true positions
+        probs = scores.softmax(-1)  # (H, G, Q, S)
+        out = torch.einsum("hgqs,shd->qhgd", probs, values.float()).reshape(count, heads, dim).to(q.dtype)
+        self.x = self.x + attn.o_proj(out.reshape(count, -1))
+        self.x = self.x + layer.mlp(layer.post_attention_layernorm(self.x))
+        return probs.sum((0, 1, 2))  # (S,)
 
 
 def _chunk_positions(start: int, end: int, segment_ends: Sequence[int],

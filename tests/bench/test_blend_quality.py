@@ -1,6 +1,6 @@
-"""bench/blend_workload.py's prompts, and bench/blend_quality.py on the real model, small: with
-the same number of tokens recomputed, CacheBlend's deviation rule comes closer to a full prefill
-than no recompute at all and than tokens picked at random."""
+"""bench/blend_workload.py's prompts (both workloads), and bench/blend_quality.py on the real
+model, small, on each workload: with the same number of tokens recomputed, CacheBlend's rule comes
+closer to a full prefill than no recompute at all and than its controls."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from bench import blend_quality
+from bench.blend_packages import PackageDocs, distributions, sameness
 from bench.blend_workload import Workload, WorkloadConfig, needle_correct
 
 pytestmark = pytest.mark.heavy  # the real model through bench/blend_quality.py
 
 # Short documents, so a prompt costs a few seconds of prefill on a CPU.
-SMALL = ["--doc-tokens", "30,60", "--docs-per-prompt", "3,3", "--prompt-tokens", "120,260"]
+SMALL = {"langref": ["--doc-tokens", "30,60", "--docs-per-prompt", "3,3", "--prompt-tokens", "120,260"],
+         "packages": ["--doc-tokens", "30,80", "--docs-per-prompt", "3,3", "--prompt-tokens", "120,300"]}
 
 
 @pytest.fixture(scope="module")
@@ -58,27 +60,63 @@ def test_needles_are_planted_once_and_checked_exactly(tokenizer, workload):
     assert not needle_correct("48170", "4817") and not needle_correct("no number", "4817")
 
 
+def test_package_workload_is_the_installed_packages_text_with_other_questions(tokenizer):
+    installed = distributions()
+    assert {"torch", "numpy", "aiohttp", "pytest"} <= set(installed) and "kvstore" not in installed
+    config = WorkloadConfig.named("packages", prompts=40, seed=7)
+    assert (config.doc_tokens, config.docs_per_prompt) == ((80, 700), (2, 10))
+    workload = Workload(tokenizer, config)
+    prompts = workload.prompts()
+    assert [p.tokens for p in prompts] == [p.tokens for p in Workload(tokenizer, config).prompts()]
+    assert all(80 <= len(d.tokens) <= 700 for d in workload.documents)
+    assert all(1000 <= len(p.tokens) <= 6000 and 2 <= len(p.chunks) <= 10 for p in prompts)
+    titles = {d.title.split(" (part")[0] for d in workload.documents}
+    assert any("package description" in t for t in titles) and any("LICENSE" in t.upper() for t in titles)
+    grant = ("Permission is hereby granted, free of charge, to any person obtaining a copy of this software and "
+             "associated documentation files")
+    assert sameness(["MIT License", "Copyright (c) 2020 Ada", grant]) == sameness(["Copyright 2011 Bo", grant])
+    assert sameness(["Copyright 2011 Bo", grant]) != sameness(["Copyright 2011 Bo", grant.replace("free", "a fee")])
+    keys = [sameness(paragraphs) for _, paragraphs in PackageDocs().texts()]
+    assert len(keys) == len(set(keys))
+    texts = "\n".join(d.text for d in workload.documents)
+    assert "<img" not in texts and "shields.io" not in texts  # markup-only lines dropped
+    needles = [p for p in prompts if p.needle_answer is not None]
+    assert 10 <= len(needles) <= 30
+    for p in needles:
+        found = [p.needle_answer in tokenizer.decode(c) for c in p.chunks]
+        assert found[p.needle_doc] and "review number" not in p.question_text
+    assert len({p.question_text.split()[0] for p in prompts}) >= 4  # several question forms
+    assert PackageDocs().max_pieces == 5
+
+
 def test_bad_workload_settings_name_the_field():
     with pytest.raises(ValueError, match="doc_tokens"):
         WorkloadConfig(doc_tokens=(600, 200))
     with pytest.raises(ValueError, match="pool_docs"):
         WorkloadConfig(pool_docs=2)
+    with pytest.raises(ValueError, match="workload"):
+        WorkloadConfig.named("novels")
+    with pytest.raises(SystemExit) as exit_:
+        blend_quality.main(["--variants", "x:colour=red"])
+    assert exit_.value.code == 2
     with pytest.raises(SystemExit) as exit_:
         blend_quality.main(["--ratios", "0,1.5"])
     assert exit_.value.code == 2
 
 
-def test_deviation_beats_no_recompute_and_random_tokens_on_the_real_model(tmp_path: Path, capsys):
+@pytest.mark.parametrize("workload", ["langref", "packages"])
+def test_rule_beats_no_recompute_and_its_controls_on_the_real_model(workload: str, tmp_path: Path, capsys):
     out, png = tmp_path / "blend.json", tmp_path / "blend.png"
-    assert blend_quality.main(["--prompts", "2", "--seed", "3", "--ratios", "0,0.15", "--rules", "deviation,random",
-                               "--answer-tokens", "8", "--ttft-lengths", "", *SMALL,
+    assert blend_quality.main(["--workload", workload, "--prompts", "2", "--seed", "3", "--ratios", "0,0.15",
+                               "--answer-tokens", "8", "--ttft-lengths", "", *SMALL[workload],
+                               "--reference-dir", "",
                                # this process's own thread count: a make test worker has one CPU,
                                # which two threads would only take turns on
                                "--threads", str(torch.get_num_threads()),
                                "--json", str(out), "--plot", str(png)]) == 0
     v = json.loads(out.read_text())["quality"]["variants"]
-    blend, r0, random_ = v["deviation@0.15"], v["deviation@0"], v["random@0.15"]
-    assert blend["recomputed_fraction"] == random_["recomputed_fraction"] > 0.1  # the same budget
+    blend, r0, random_, first = v["rule@0.15"], v["none@0"], v["random@0.15"], v["first@0.15"]
+    assert blend["recomputed_fraction"] == random_["recomputed_fraction"] == first["recomputed_fraction"] > 0.1
     assert r0["recomputed_fraction"] == 0 and r0["kl"] > 0  # no recompute is not a full prefill
     assert blend["kl"] <= 0.5 * r0["kl"] and blend["kl"] < random_["kl"]
-    assert "deviation" in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"
+    assert "rule" in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"

@@ -134,6 +134,19 @@ def test_recompute_schedule_filters_gradually():
     assert recompute_sizes(100, 0.0, 3) == [0, 0, 0]
     with pytest.raises(ValueError, match="blend_ratio"):
         recompute_sizes(10, 1.5, 2)
+    later = TokenSelection(select_layer=2, narrowing=(4.0, 2.0, 1.0))  # every token through layers 0-1
+    assert recompute_sizes(100, 0.1, 6, later) == [100, 100, 40, 20, 10, 10]
+    per_layer = TokenSelection(narrowing=(2.0, 2.0, 0.5))  # more early, less late
+    assert recompute_sizes(100, 0.1, 6, per_layer) == [100, 20, 20, 5, 5, 5]
+    assert later.last_narrowing == 4 and TokenSelection().last_narrowing == 2
+
+
+def test_selection_schedules_and_shares_are_checked():
+    for bad, field in (({"narrowing": (1.0, 2.0)}, "narrowing"), ({"narrowing": ()}, "narrowing"),
+                       ({"select_layer": 0}, "select_layer"), ({"query_share": 1.5}, "query_share"),
+                       ({"first_share": 0.6, "query_share": 0.6}, "first_share \\+ query_share")):
+        with pytest.raises(ValueError, match=field):
+            TokenSelection(**bad)
 
 
 def test_bad_blend_arguments_are_value_errors(model):
@@ -194,11 +207,41 @@ def test_deviation_rule_gives_half_its_budget_to_every_chunks_opening():
     k = torch.zeros(12, 1, 2)
     fresh = k.clone()
     fresh[[6, 7, 11], 0, 0] = torch.tensor([3.0, 2.0, 1.0])  # the tokens that deviate, late in their chunks
-    pick = lambda share, keep: TokenSelection("deviation", first_share=share).pick(  # noqa: E731
+    pick = lambda share, keep: TokenSelection("deviation", first_share=share, score="pooled").pick(  # noqa: E731
         keep, layer=1, fresh=(fresh, fresh), cached=(k, k), chunk_position=position, chunk_length=length).tolist()
     assert pick(0.5, 4) == [0, 6, 7, 8] and pick(0.0, 3) == [6, 7, 11] and pick(1.0, 2) == [0, 8]
     with pytest.raises(ValueError, match="first_share"):
         TokenSelection(first_share=1.5)
+
+
+def test_query_share_goes_to_the_tokens_the_question_reads_and_impact_weighs_deviation_by_it():
+    position = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3])  # a chunk of 8 tokens, then one of 4
+    length = torch.tensor([8] * 8 + [4] * 4)
+    k = torch.zeros(12, 1, 2)
+    fresh = k.clone()
+    fresh[[6, 7, 11], 0, 0] = torch.tensor([3.0, 2.0, 1.0])  # deviation: 6, then 7, then 11
+    attention = torch.zeros(12)
+    attention[[4, 10, 11]] = torch.tensor([0.5, 0.3, 0.9])  # the question reads 11, then 4, then 10
+    pick = lambda keep, **kw: TokenSelection(**kw).pick(  # noqa: E731
+        keep, layer=1, fresh=(fresh, fresh), cached=(k, k), chunk_position=position, chunk_length=length,
+        attention=attention).tolist()
+    assert pick(4, first_share=0.5, query_share=0.25, score="pooled") == [0, 6, 8, 11]  # openings, question, deviation
+    assert pick(2, first_share=0.0, query_share=1.0) == [4, 11]
+    assert pick(1, first_share=0.0, score="impact") == [11]  # 1.0 * 0.9 beats 3.0 * 0 and 2.0 * 0
+    assert TokenSelection(query_share=0.2).needs_attention and TokenSelection(score="impact").needs_attention
+    assert TokenSelection().needs_attention  # the decode loop's rule: impact
+    assert not TokenSelection(score="pooled").needs_attention and not TokenSelection("first").needs_attention
+
+
+def test_question_attention_rule_is_a_full_prefill_at_one_and_recomputes_as_much_below(model, store):
+    prefix, chunks, question = ids(90, 5), [ids(91, 30), ids(92, 21), ids(93, 13)], ids(94, 4)
+    want = full_logits(model, prefix, chunks, question, 1)[0]
+    reading = TokenSelection(first_share=0.25, query_share=0.5)
+    full = blended(model, store, prefix, chunks, question, 1.0, reading)
+    assert full.recomputed_tokens == 64 and (full.logits - want).abs().max() <= ATOL
+    got = {s: blended(model, store, prefix, chunks, question, 0.15, s) for s in (reading, TokenSelection("first"))}
+    assert {o.recomputed_tokens for o in got.values()} == {recompute_sizes(64, 0.15, 4)[-1]}
+    assert got[reading].logits.isfinite().all()
 
 
 def test_random_rule_is_seeded():
