@@ -45,12 +45,13 @@ def real_model(dtype: str) -> LlamaModel:
     return load_model("smollm2", dtype=dtype)
 
 
-def real_text(model: LlamaModel) -> list[int]:
-    """Python's language reference as token ids: real English prose and code."""
+def real_text(model: LlamaModel, max_chars: int | None = None) -> list[int]:
+    """Python's language reference as token ids: real English prose and code (its first
+    `max_chars` characters: tokenizing all of it takes a while)."""
     from pydoc_data.topics import topics
 
     assert model.tokenizer is not None
-    return model.tokenizer.encode("\n\n".join(topics[k].strip() for k in sorted(topics)))
+    return model.tokenizer.encode("\n\n".join(topics[k].strip() for k in sorted(topics))[:max_chars])
 
 
 def new_store() -> KVStore:
@@ -118,8 +119,8 @@ class FaultCase:
             and self.next_answer_ok and self.later_passed and self.later_answer_ok
 
 
-def _reference(model: LlamaModel, prompt: list[int]) -> list[int]:
-    return generate(model, prompt, NEW_TOKENS, stop_token_ids=()).tokens
+def _reference(model: LlamaModel, prompt: list[int], new_tokens: int) -> list[int]:
+    return generate(model, prompt, new_tokens, stop_token_ids=()).tokens
 
 
 def plant(fault: str, model: LlamaModel, store: KVStore, prompt: list[int], other: list[int], page: int,
@@ -165,7 +166,7 @@ def plant(fault: str, model: LlamaModel, store: KVStore, prompt: list[int], othe
 
 
 def run_fault(model: LlamaModel, text: list[int], fault: str, where: str, rng: random.Random, *,
-              prompt_tokens: int = 160, shift: int = 1) -> FaultCase:
+              prompt_tokens: int = 160, shift: int = 1, new_tokens: int = NEW_TOKENS) -> FaultCase:
     began = time.perf_counter()
     p = model.spec.page_size
     at = rng.randrange(0, len(text) - 4 * prompt_tokens)
@@ -179,18 +180,19 @@ def run_fault(model: LlamaModel, text: list[int], fault: str, where: str, rng: r
         store.register_model(model.name, model.spec)
         plant(fault, model, store, prompt, other, page, rng, shift=shift)
         # Not stored, so that what the failed audit left is what the store holds afterwards.
-        first = generate(model, request, NEW_TOKENS, backend=store, audit_rate=1.0, stop_token_ids=(), store=False)
+        first = generate(model, request, new_tokens, backend=store, audit_rate=1.0, stop_token_ids=(), store=False)
         left = store.lookup(model.name, prompt).matched_tokens
-        after = generate(model, follow_up, NEW_TOKENS, backend=store, audit_rate=1.0, stop_token_ids=())
-        later = generate(model, request, NEW_TOKENS, backend=store, audit_rate=1.0, stop_token_ids=())
+        after = generate(model, follow_up, new_tokens, backend=store, audit_rate=1.0, stop_token_ids=())
+        later = generate(model, request, new_tokens, backend=store, audit_rate=1.0, stop_token_ids=())
     audit = first.audit
     assert audit is not None, "the first request was not audited"
     failure = audit.first_failure
     return FaultCase(fault, where, str(model.dtype).removeprefix("torch."), not audit.passed,
                      None if failure is None else failure[0], audit.worst, audit.tolerance, left,
-                     first.tokens == _reference(model, request), after.reused_tokens == 0,
-                     after.tokens == _reference(model, follow_up), later.audit is not None and later.audit.passed,
-                     later.tokens == _reference(model, request), time.perf_counter() - began)
+                     first.tokens == (expected := _reference(model, request, new_tokens)), after.reused_tokens == 0,
+                     after.tokens == _reference(model, follow_up, new_tokens),
+                     later.audit is not None and later.audit.passed, later.tokens == expected,
+                     time.perf_counter() - began)
 
 
 def run_faults(dtype: str, *, faults: tuple[str, ...] = FAULTS, where: tuple[str, ...] = WHERE, seed: int = 40,

@@ -1,0 +1,29 @@
+"""Audited reuse on the real model (SmolLM2-135M-Instruct, float32), small: each of the five fault
+kinds users meet, placed in the page the audit withholds, is caught on the first audited hit; the
+path is dropped; the audited request and the next one answer as their own full prefill, and a
+later hit on the recomputed pages passes. `python bench/chaos.py --only audit` runs every fault in
+both places and both dtypes, and the clean hits behind the tolerance (bench/reliability/audit.py)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.reliability.audit import real_text, run_fault
+
+pytestmark = pytest.mark.heavy  # the real model
+
+
+@pytest.fixture(scope="module")
+def text(smollm2_model):
+    return real_text(smollm2_model, max_chars=40_000)
+
+
+@pytest.mark.parametrize("fault", ["slot-bytes", "weights-1.01", "k-no-rope", "heads-permuted", "collision"])
+def test_a_fault_in_the_audited_page_is_caught_dropped_and_recomputed(smollm2_model, text, fault):
+    case = run_fault(smollm2_model, text, fault, "audited page", random.Random(fault), prompt_tokens=48,
+                     new_tokens=2)
+    assert case.detected and case.first_layer is not None and case.worst > case.tolerance, case
+    assert case.left_tokens == 0, case  # the store no longer matches the prompt
+    assert case.audited_answer_ok and case.next_recomputed and case.next_answer_ok, case
+    assert case.later_passed and case.later_answer_ok, case
