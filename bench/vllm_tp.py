@@ -256,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             steps += [step("own_hit", a, salt=UNSERVED_SALT, max_tokens=1) for _ in range(args.repeats)]
             steps += [step("store_hit", a, reset=True, max_tokens=1) for _ in range(args.repeats)]
             steps += [step("a_hit_answer", a, reset=True), step("a_full_answer", a, salt=UNSERVED_SALT),
-                      step("b", b), step("fault", fault, salt=FAULT_SALT), step("fault_again", fault, salt=FAULT_SALT)]
+                      step("b", b), step("fault", fault, salt=FAULT_SALT),
+                      # vLLM's own cache emptied: a hit here could only be the store's
+                      step("fault_again", fault, salt=FAULT_SALT, reset=True)]
             results["tpn"] = run_engine(dict(base, tp=args.tp, extra=extra, steps=steps,
                                              connector_module="bench.reliability.rank_fault_connector"))
             bar.update()
