@@ -58,7 +58,7 @@ def distributions() -> dict[str, str]:
     return {key: metadata.distribution(key).version for key in sorted(seen) if key != ROOT[0]}
 
 
-def _paragraphs(text: str) -> list[str]:
+def paragraphs_of(text: str) -> list[str]:
     kept = "\n".join(line.rstrip() for line in text.replace("\r\n", "\n").splitlines()
                      if not _MARKUP_LINE.search(line))
     return [p.strip("\n") for p in re.split(r"\n\s*\n", kept) if p.strip()]
@@ -100,7 +100,7 @@ class PackageDocs:
             texts = [(f"{name}: package description", description)]
             texts += [(f"{name}: {f.name}", _read(dist, f)) for f in files]
             for title, text in texts:
-                paragraphs = _paragraphs(text)
+                paragraphs = paragraphs_of(text)
                 key = sameness(paragraphs)
                 if paragraphs and key not in seen:
                     seen.add(key)

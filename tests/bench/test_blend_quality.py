@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench import blend_quality
-from bench.blend_packages import PackageDocs, distributions, sameness
+from bench.blend_packages import PackageDocs, distributions, paragraphs_of, sameness
 from bench.blend_workload import Workload, WorkloadConfig, needle_correct
 
 pytestmark = pytest.mark.heavy  # the real model through bench/blend_quality.py
@@ -78,8 +78,11 @@ def test_package_workload_is_the_installed_packages_text_with_other_questions(to
     assert sameness(["Copyright 2011 Bo", grant]) != sameness(["Copyright 2011 Bo", grant.replace("free", "a fee")])
     keys = [sameness(paragraphs) for _, paragraphs in PackageDocs().texts()]
     assert len(keys) == len(set(keys))
-    texts = "\n".join(d.text for d in workload.documents)
-    assert "<img" not in texts and "shields.io" not in texts  # markup-only lines dropped
+    readme = ('<h1 align="center">Tool</h1>\n<p align="center">\n<a href="x"><img src="https://img.shields.io/b.svg">'
+              '</a>\n</p>\n\n[![CI](https://x/badge.svg)](https://x)\n.. image:: https://x/logo.png\n   :target: x\n\n'
+              'Tool parses <b>bold</b> claims.\n\n    print("<p>")\n')
+    assert paragraphs_of(readme) == ['<h1 align="center">Tool</h1>', "Tool parses <b>bold</b> claims.",
+                                     '    print("<p>")']  # lines of markup alone go; lines with text stay
     needles = [p for p in prompts if p.needle_answer is not None]
     assert 10 <= len(needles) <= 30
     for p in needles:
