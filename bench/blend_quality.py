@@ -74,7 +74,7 @@ TARGETS = {"kl_vs_r0": 0.15, "kl_vs_r0_at_0.3": 0.10, "kl_vs_better_control": 0.
            "needle_gap_points": 3.0, "ttft_ratio_4k": 0.35}
 TARGET_RATIO = 0.15
 GREEDY_TOKENS = 8  # greedy agreement is judged over the answer's first tokens
-NEEDLE_DECODE_TOKENS = 12  # a number needs a few tokens; decoding past it decides nothing
+NEEDLE_DECODE_TOKENS = 12  # past a disagreement: the number comes within a few tokens; more decides nothing
 CONTROLS = ("random", "first")
 REFERENCE_DIR = REPO / "bench" / "out" / "blend_reference"
 
@@ -241,7 +241,7 @@ class Evaluator:
         n = len(tokens)
         chunk_tokens = sum(map(len, prompt.chunks))
         q_start = n_prefix + chunk_tokens
-        cache, table = self._table(n + self.answer_tokens + NEEDLE_DECODE_TOKENS)
+        cache, table = self._table(n + self.answer_tokens + NEEDLE_DECODE_TOKENS + GREEDY_TOKENS)
         try:
             answer, ref_logp = self.reference(prompt, cache, table)
             full_text = model.tokenizer.decode(answer) if model.tokenizer else ""
@@ -280,7 +280,7 @@ class Evaluator:
                 head = answer[:GREEDY_TOKENS]
                 variant.greedy8.append(sum(a == b for a, b in zip(free, head)) / len(head))
                 if prompt.needle_answer is not None:
-                    text = model.tokenizer.decode(free[:NEEDLE_DECODE_TOKENS]) if model.tokenizer else ""
+                    text = model.tokenizer.decode(free) if model.tokenizer else ""
                     variant.needle.append(float(needle_correct(text, prompt.needle_answer)))
             return {"tokens": n, "chunks": len(prompt.chunks), "answer": full_text, "answer_tokens": len(answer),
                     "needle_full": needle_full, "r1_max_abs_logprob_diff": r1_max_abs}
@@ -289,14 +289,15 @@ class Evaluator:
 
     def _free_answer(self, prompt: BlendPrompt, answer: list[int], agree: torch.Tensor, logits: torch.Tensor,
                      n: int, cache: PagedKVCache, table: BlockTable) -> list[int]:
-        """The blended greedy answer's first tokens: the reference's up to the first disagreement
-        (the teacher-forced KV there is the greedy run's), then decoded on from it."""
-        limit = max(GREEDY_TOKENS, NEEDLE_DECODE_TOKENS if prompt.needle_answer is not None else 0)
+        """The blended greedy answer: the reference's tokens up to the first disagreement (the
+        teacher-forced KV there is the greedy run's), then decoded on from it, to the first
+        GREEDY_TOKENS and, for a needle, NEEDLE_DECODE_TOKENS past the disagreement."""
         wrong = (~agree).nonzero()
         j = int(wrong[0]) if wrong.numel() else len(answer)
-        tokens = answer[:min(j, limit)]
-        if j < len(answer) and j < limit:
-            more, _ = self._greedy(logits[j], n + j, cache, table, limit - j)
+        tokens = answer[:j]
+        want = max(GREEDY_TOKENS, j + NEEDLE_DECODE_TOKENS if prompt.needle_answer is not None else 0)
+        if j < len(answer) and j < want:
+            more, _ = self._greedy(logits[j], n + j, cache, table, want - j)
             tokens = tokens + more
         return tokens
 
@@ -463,6 +464,7 @@ def plot(qualities: dict[str, dict[str, Any]], path: Path) -> None:
         ax_kl.set(xlabel="recomputed fraction r", ylabel="mean KL(full || blended), nats", yscale="log",
                   title=f"{name}: {quality['prompts']} prompts, mean {quality['mean_prompt_tokens']:.0f} tokens")
         ax_g8.set(xlabel="recomputed fraction r", ylabel="greedy agreement, of the first 8 answer tokens",
+                  ylim=(0, 8.3),
                   title=f"{name}: agreement with a full prefill")
         for ax in (ax_kl, ax_g8):
             ax.grid(True, alpha=0.3)
@@ -505,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="draw quality against the recomputed fraction here (PNG); "
                                                   "with --plot-with, beside other runs' JSON")
     parser.add_argument("--plot-with", default="", help="other runs' JSON files (comma-separated) for --plot")
+    parser.add_argument("--plot-only", action="store_true", help="run nothing: draw --plot from --plot-with")
     args = parser.parse_args(argv)
     pair = lambda s: tuple(int(x) for x in s.split(",")) if s else None  # noqa: E731
     try:
@@ -532,6 +535,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--no-quality: nothing left to run without --ttft-lengths")
     except ValueError as exc:
         parser.error(str(exc))
+    if args.plot_only:
+        if not args.plot or not args.plot_with:
+            parser.error("--plot-only: needs --plot and --plot-with")
+        plot({json.loads(Path(f).read_text()).get("source", {}).get("workload", f):
+              json.loads(Path(f).read_text())["quality"] for f in args.plot_with.split(",") if f}, args.plot)
+        return 0
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model = load_model(args.model)
