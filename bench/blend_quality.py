@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc-tokens", help="each document's length in tokens: lo,hi (default: the workload's)")
     parser.add_argument("--docs-per-prompt", help="lo,hi (default: the workload's)")
     parser.add_argument("--prompt-tokens", default="1000,6000", help="lo,hi")
-    parser.add_argument("--reference-dir", type=Path, default=REFERENCE_DIR,
+    parser.add_argument("--reference-dir", default=str(REFERENCE_DIR),
                         help="full-prefill references kept between runs ('' for none)")
     parser.add_argument("--ttft-lengths", default="2048,4096,6144", help="comma-separated; empty: no TTFT")
     parser.add_argument("--ttft-ratio", type=float, default=TARGET_RATIO)
@@ -551,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_quality:
         prompts = []
     steps = len(prompts) + len(lengths) * (1 + args.ttft_repeats)
-    reference_dir = args.reference_dir if str(args.reference_dir) else None
+    # A string, not a Path: Path("") is ".", which would keep the references in the working directory.
+    reference_dir = Path(args.reference_dir) if args.reference_dir else None
     source: dict[str, Any] = {"workload": args.workload}
     if args.workload == "packages":
         from bench.blend_packages import distributions
