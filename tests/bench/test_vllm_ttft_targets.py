@@ -21,6 +21,8 @@ def table(own_hit_2k_shm: float, miss_store_s: float) -> list[dict]:
                  row(size, "kvstore hit: sidecar, shared memory", 0.1,
                      vs_own_hit=own_hit_2k_shm if size == 2048 else 1.1),
                  row(size, "kvstore hit: sidecar, TCP", 0.2, vs_own_hit=1.9)]
+    # The audited engine (--audit-rate) runs at 2k: its hit against the unaudited one.
+    rows.append(dict(row(2048, "kvstore hit: in-process, audited", 0.11), vs_unaudited_hit=1.1))
     return rows
 
 
@@ -33,6 +35,11 @@ def test_targets_met_and_missed() -> None:
     assert met["hit_vs_full_from_2k"]["values"] == [0.1, 0.01]  # the 1k hit's 0.5 is not judged
     assert met["tcp_hit_vs_own_hit_2k"]["values"] == [1.9]
     assert met["miss_work_share_of_prefill"]["values"][-1] == 0.02  # every hook of a 512-token prefill
+    assert met["audited_hit_vs_hit_2k"]["values"] == [1.1]
+    # Without an audited engine (no --audit-rate) that target has no figure and is not judged.
+    unaudited = [r for r in table(1.15, 0.005) if r["case"] != "kvstore hit: in-process, audited"]
+    assert {c["target"] for c in vllm_ttft.judge_targets(unaudited, results)} == set(vllm_ttft.TARGETS) - {
+        "audited_hit_vs_hit_2k"}
     missed = {c["target"]: c["met"] for c in vllm_ttft.judge_targets(table(1.25, 0.05), results)}
     assert missed["hit_vs_own_hit"] is False and missed["miss_work_share_of_prefill"] is False
     assert missed["tcp_hit_vs_own_hit_2k"] is True
