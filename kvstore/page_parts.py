@@ -43,7 +43,7 @@ from kvstore.host_memory import empty_host
 from kvstore.index import TOKEN_BYTES
 from kvstore.keys import page_key
 from kvstore.page_slice import PageSlice
-from kvstore.page_writes import FetchHead, covering_sibling, store_pages
+from kvstore.page_writes import FetchHead, covering_sibling, from_page_start, store_pages
 from kvstore.partial_pages import PartialPage
 from kvstore.results import StoreResult
 from kvstore.store_state import StoreState
@@ -54,15 +54,11 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
     """Store `kv`, the slice `part` of tokens [start:]'s KV, as parts of their pages."""
     P = spec.page_size
     n_tokens = len(tb) // TOKEN_BYTES
-    page_start = start // P * P
-    if page_start < start:
-        # The page holding `start` must be stored whole already: its first tokens' slice comes
-        # from it, as a whole store takes them (page_writes.py).
-        head = fetch(root_key, spec, tb[:start * TOKEN_BYTES], page_start, kv.device, False)
-        if head.matched_tokens < start:
-            return StoreResult(head.matched_tokens, 0)
-        kv = torch.cat([part.take(head.kv).to(kv.device), kv], dim=2)
-        start = page_start
+    # The page holding `start` must be stored whole already: its first tokens' slice comes from it.
+    moved = from_page_start(fetch, root_key, spec, tb, kv, start, part)
+    if isinstance(moved, int):
+        return StoreResult(moved, 0)
+    kv, start = moved
     parts, index = state.parts, state.index
     claims: list[tuple[bytes, PartialPage, int, int]] = []  # (page key, its staging, first token, end)
     held = 0

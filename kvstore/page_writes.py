@@ -35,6 +35,7 @@ from kvstore.copy_threads import Copy, copy_all
 from kvstore.host_copy import host_array, host_bytes
 from kvstore.index import TOKEN_BYTES, Node, PageIndex
 from kvstore.keys import page_key
+from kvstore.page_slice import WHOLE, PageSlice
 from kvstore.results import FetchResult, StoreResult
 from kvstore.store_state import StoreState
 from kvstore.tiers.base import PageRecord, Slot, WriteTicket
@@ -48,17 +49,12 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     """Store `kv` (L, 2, T, H, D) for tokens [start:] of `tb` under the tree `root_key`."""
     P = spec.page_size
     n_tokens = len(tb) // TOKEN_BYTES
-    page_start = start // P * P
-    if page_start < start:
-        # The page holding `start` is partly cached already: take those tokens' KV from the
-        # store, so every stored page is whole.
-        head = fetch(root_key, spec, tb[:start * TOKEN_BYTES], page_start, kv.device, False)
-        if head.matched_tokens < start:
-            with state.lock:
-                state.counters["stores"] += 1
-            return StoreResult(head.matched_tokens, 0)
-        kv = torch.cat([head.kv.to(kv.device), kv], dim=2)
-        start = page_start
+    moved = from_page_start(fetch, root_key, spec, tb, kv, start)
+    if isinstance(moved, int):
+        with state.lock:
+            state.counters["stores"] += 1
+        return StoreResult(moved, 0)
+    kv, start = moved
     tiers, placement, index = state.tiers, state.placement, state.index
     writes: list[tuple[Node, str, Slot | None, int, int]] = []  # (page, tier, its slot or None (a record), first, end)
     path: list[Node] = []
@@ -196,6 +192,20 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
             raise InsufficientStorage(f"store: the disk tier could not write {lost} of the pages (disk full?); "
                                       "they are not stored durably")
     return StoreResult(stored_tokens, len(writes))
+
+
+def from_page_start(fetch: FetchHead, root_key: bytes, spec: ModelSpec, tb: bytes, kv: torch.Tensor, start: int,
+                    part: PageSlice = WHOLE) -> tuple[torch.Tensor, int] | int:
+    """`kv` (of `part`'s layers and heads) and `start` moved back to the start of the page that
+    holds `start`, that page's tokens before `start` taken from the store, so every stored page
+    is whole; or, when the store no longer holds those tokens, how many it holds."""
+    page_start = start // spec.page_size * spec.page_size
+    if page_start == start:
+        return kv, start
+    head = fetch(root_key, spec, tb[:start * TOKEN_BYTES], page_start, kv.device, False)
+    if head.matched_tokens < start:
+        return head.matched_tokens
+    return torch.cat([part.take(head.kv).to(kv.device), kv], dim=2), page_start
 
 
 def covering_sibling(parent: Node, ptoks: bytes) -> Node | None:

@@ -229,3 +229,15 @@ def test_a_slice_of_coded_pages_is_that_slice_of_the_whole_answer(make_store, sp
         got = store.fetch(MODEL, tokens, start=5, heads=heads, layers=layers).kv
         h, ly = heads or (0, 3), layers or (0, 3)
         assert torch.equal(got, whole[ly[0]:ly[1], :, :, h[0]:h[1]])
+
+
+def test_parts_from_inside_a_stored_tail_page_take_its_first_tokens_from_the_store(store, spec3):
+    """A rank's store starting mid-page (after a stored tail): the page's first tokens come
+    from the store's copy, sliced to the rank's heads, and the page is stored whole."""
+    tokens = list(range(40, 52))
+    kv = random_kv(spec3, 12)
+    store.store(MODEL, tokens[:6], kv[:, :, :6])  # a page of 4 and a tail of 2
+    for heads in tp_heads(3, 3):
+        h = slice(*heads)
+        assert store.store(MODEL, tokens, kv[:, :, 6:, h], start=6, heads=heads).stored_tokens == 12
+    assert torch.equal(store.fetch(MODEL, tokens).kv, kv)
