@@ -47,15 +47,15 @@ def pytest_collection_modifyitems(config, items):
         has_cupy = False
     skip = pytest.mark.skip(reason="needs CUDA and CuPy: none on this machine")
     # The full-size variants (marked slow: the reliability scenarios at full size, the research
-    # policies' long replays) run only when asked for, so that `make test` stays within its time;
-    # bench/chaos.py and bench/eviction.py run the same code at full size.
+    # policies' long replays, the TP=4 engine) run only when asked for, so that `make test` stays
+    # within its time; bench/chaos.py, bench/eviction.py and bench/vllm_tp.py run the same code
+    # at full size.
     run_slow = "slow" in (config.getoption("markexpr") or "")
-    skip_slow = pytest.mark.skip(reason="full-size run: pytest -m slow tests/reliability tests/bench")
     for item in items:
         if item.get_closest_marker("gpu") is not None and not (cuda and has_cupy):
             item.add_marker(skip)
         if item.get_closest_marker("slow") is not None and not run_slow:
-            item.add_marker(skip_slow)
+            item.add_marker(pytest.mark.skip(reason=f"full-size run: pytest -m slow {item.nodeid.split('::')[0]}"))
     items[:] = heavy_files_first(items)
 
 

@@ -167,12 +167,16 @@ def tp4(tp2, checkpoint, sidecar):
     return {"prompts": prompts, "outputs": dict(zip(prompts, outputs))}
 
 
+# TP=4 starts four rank processes on two cores: some 3 CPU-minutes, past make test's budget, so
+# it runs with `pytest -m slow` (TP=2 stays in make test).
+@pytest.mark.slow
 def test_tp4_loads_tp2_pages_with_the_tokens_of_its_own_prefill(tp4):
     prompt, out = tp4["prompts"]["loads"], tp4["outputs"]
     assert out["loads"]["cached"] == (len(prompt) - 1) // BLOCK * BLOCK
     assert out["loads"]["tokens"] == out["reference"]["tokens"]
 
 
+@pytest.mark.slow
 def test_tp4_replicas_store_each_head_once_into_whole_pages(tp4, client, decode_model):
     prompt = tp4["prompts"]["fresh"]
     whole = len(prompt) // BLOCK * BLOCK
