@@ -44,7 +44,7 @@ from kvstore.index import TOKEN_BYTES
 from kvstore.keys import page_key
 from kvstore.page_slice import PageSlice
 from kvstore.page_writes import FetchHead, covering_sibling, from_page_start, store_pages
-from kvstore.partial_pages import PartialPage
+from kvstore.partial_pages import PageParts, PartialPage
 from kvstore.results import StoreResult
 from kvstore.store_state import StoreState
 
@@ -77,7 +77,7 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
             if node is not None and node.tokens.startswith(ptoks):
                 # Stored whole, or being stored whole by another writer (every head of it is
                 # there): this part adds nothing.
-                parts._forget(key)
+                parts.forget(key)
                 parent, parent_key, held = node, key, e
                 continue
             parent = None  # past the first page not stored, every page's node is looked up by key only
@@ -94,13 +94,13 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
             if page is not None:
                 rows, cols = page.cells(part, spec)
                 if page.claimed[rows, cols].any():
-                    for _, claimed_page, _, _ in claims:  # nothing of this call stays claimed
-                        _unclaim(claimed_page, part, spec)
+                    for claimed_key, claimed_page, _, _ in claims:  # nothing of this call stays claimed
+                        _unclaim(parts, claimed_key, claimed_page, part, spec)
                     raise PartConflict(f"{_field(part)}: this part overlaps a different part already stored for "
                                        f"the page of tokens [{s}, {e}) (the writers split the page differently: "
                                        f"{sorted(map(_show, page.parts))})", field=_field(part))
             else:
-                page = parts._new(key, spec, e - s)
+                page = parts.new_page(key, spec, e - s)
                 if page is None:
                     if not claims:
                         raise InsufficientStorage(f"store: the pages waiting for their other parts hold "
@@ -128,13 +128,13 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
         with state.lock:
             for key, page, s, e in claims:
                 if not ok:
-                    _unclaim(page, part, spec)
+                    _unclaim(parts, key, page, part, spec)
                     held = min(held, s)
                     continue
                 rows, cols = page.cells(part, spec)
                 page.written[rows, cols] = True
                 if page.whole and parts.pages.get(key) is page:
-                    parts._forget(key)
+                    parts.forget(key)
                     whole.append((key, page, s, e))
     new_pages = 0
     for first, last in _runs(whole):
@@ -171,10 +171,13 @@ def _joined(pages: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _unclaim(page: PartialPage, part: PageSlice, spec: ModelSpec) -> None:
+def _unclaim(parts: PageParts, key: bytes, page: PartialPage, part: PageSlice, spec: ModelSpec) -> None:
+    """Take `part`'s claim on a page back; a page no part claims any more is forgotten."""
     rows, cols = page.cells(part, spec)
     page.claimed[rows, cols] = False
     page.parts.discard(part)
+    if not page.parts and parts.pages.get(key) is page:
+        parts.forget(key)
 
 
 def _field(part: PageSlice) -> str:

@@ -58,15 +58,16 @@ class PageParts:
             key, page = next(iter(self.pages.items()))
             if page.deadline > now:
                 break
-            self._forget(key)
+            self.forget(key)
             self.expired += 1
 
-    def _forget(self, key: bytes) -> None:
+    def forget(self, key: bytes) -> None:
         page = self.pages.pop(key, None)
         if page is not None:
             self.nbytes -= page.nbytes
 
-    def _new(self, key: bytes, spec: ModelSpec, num_tokens: int) -> PartialPage | None:
+    def new_page(self, key: bytes, spec: ModelSpec, num_tokens: int) -> PartialPage | None:
+        """A staging buffer for the page `key`, or None when it would pass `max_bytes`."""
         nbytes = num_tokens * spec.bytes_per_token
         if self.nbytes + nbytes > self.max_bytes:
             return None

@@ -87,8 +87,10 @@ def test_overlapping_part_is_refused_and_leaves_nothing_claimed(store, spec3):
     kv = random_kv(spec3, 8)
     store.store(MODEL, tokens, kv[:, :, :, 0:2], heads=(0, 2))
     with pytest.raises(PartConflict) as err:
-        store.store(MODEL, tokens, kv[:, :, :, 1:3], heads=(1, 3))
+        store.store(MODEL, tokens + [9, 9, 9, 9], random_kv(spec3, 12)[:, :, :, 1:3], heads=(1, 3))
     assert err.value.field == "heads" and err.value.status == 409
+    # The refused store staged nothing: its pages past the conflict were never claimed.
+    assert store.stats()["partial_pages"]["pages"] == 2
     # The same part again is a no-op, and the missing head completes the pages.
     assert store.store(MODEL, tokens, kv[:, :, :, 0:2], heads=(0, 2)).stored_tokens == 8
     assert store.lookup(MODEL, tokens).matched_tokens == 0
