@@ -134,13 +134,20 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
                 rows, cols = page.cells(part, spec)
                 page.written[rows, cols] = True
                 if page.whole and parts.pages.get(key) is page:
-                    parts.forget(key)
+                    # It stays staged until it is in the tree: a rank's next store, meanwhile,
+                    # finds its part of this page held (the page is in neither place otherwise).
                     whole.append((key, page, s, e))
     new_pages = 0
-    for first, last in _runs(whole):
-        s, e = whole[first][2], whole[last - 1][3]
-        new_pages += store_pages(state, fetch, root_key, namespace, spec, tb[:e * TOKEN_BYTES],
-                                 _joined([page.kv for _, page, _, _ in whole[first:last]]), s).new_pages
+    try:
+        for first, last in _runs(whole):
+            s, e = whole[first][2], whole[last - 1][3]
+            new_pages += store_pages(state, fetch, root_key, namespace, spec, tb[:e * TOKEN_BYTES],
+                                     _joined([page.kv for _, page, _, _ in whole[first:last]]), s).new_pages
+    finally:
+        with state.lock:
+            for key, page, _, _ in whole:
+                if parts.pages.get(key) is page:
+                    parts.forget(key)
     return StoreResult(held, new_pages)
 
 

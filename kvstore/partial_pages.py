@@ -56,7 +56,7 @@ class PageParts:
         now = time.monotonic() if now is None else now
         while self.pages:
             key, page = next(iter(self.pages.items()))
-            if page.deadline > now:
+            if page.deadline > now or page.whole:  # a whole page is being stored: its writer forgets it
                 break
             self.forget(key)
             self.expired += 1
