@@ -212,26 +212,40 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
     lo = first if first >= start else start
     a = lo - start
     j = i + 1
-    if lo == first and used == n and size == rows * page_width:  # whole, and its slot is exactly its bytes
-        end = offset + size
-        while j < len(reads):  # whole pages of the same size at the next offsets (full pages: only a tail is short)
-            _, _, next_used, next_tier, next_slot = reads[j]
-            if next_tier != tier or next_slot is None or next_slot[0] != end or next_slot[1] != size \
-                    or next_used != n:
-                break
-            end += size
-            j += 1
+    if lo == first and used == n:  # whole: the pages right after it in the buffer join it
+        j = _run_end(reads, i, rows * page_width)
         if j - i > 1:
             k = j - i
             # (k pages, rows, width) of the buffer, read row by row into the answer's rows, where
             # the k pages are k consecutive widths (a view: copy=False raises rather than copy).
             copies.append((out_rows[:, a * row_bytes:(a + k * n) * row_bytes].reshape(rows, k, page_width, copy=False),
-                           buffer[offset:end].reshape(k, rows, page_width).transpose(1, 0, 2)))
+                           buffer[offset:offset + k * size].reshape(k, rows, page_width).transpose(1, 0, 2)))
             return j
     page_rows = buffer[offset:offset + rows * page_width].reshape(rows, page_width)  # a slot may be longer (aligned)
     if lo > first or used < n:  # part of the page: its tokens [lo - first, used)
         page_rows = page_rows[:, (lo - first) * row_bytes:used * row_bytes]
     copies.append((out_rows[:, a * row_bytes:(first + used - start) * row_bytes], page_rows))
+    return j
+
+
+def _run_end(reads: list[Read], i: int, page_bytes: int) -> int:
+    """The index past read `i`, a whole raw page, and the reads right after it that are whole
+    pages of its size at the next offsets of the same buffer (a sequence stored at once usually
+    is; only a tail page is shorter); `i + 1` when its slot is not exactly its `page_bytes`
+    (a slot may be longer, aligned). The slot ranges come from the plan: the pages are pinned."""
+    _, _, used, tier, slot = reads[i]
+    assert slot is not None, "a raw page is read from its slot"
+    offset, size = slot
+    j = i + 1
+    if size != page_bytes:
+        return j
+    end = offset + size
+    while j < len(reads):
+        _, _, next_used, next_tier, next_slot = reads[j]
+        if next_tier != tier or next_slot is None or next_slot[0] != end or next_slot[1] != size or next_used != used:
+            break
+        end += size
+        j += 1
     return j
 
 
@@ -243,7 +257,7 @@ def copy_raw_slices(reads: list[Read], i: int, start: int, buffers: dict[str, np
     slice's rows of (T, heads, D) -> the index of the first read not covered."""
     node, first, used, tier, slot = reads[i]
     assert slot is not None, "a raw page is read from its slot"
-    offset, size = slot
+    offset = slot[0]
     n = len(node.tokens) // TOKEN_BYTES
     (l0, l1), (h0, h1) = part.layer_range(spec), part.head_range(spec)
     head_bytes = spec.head_dim * spec.itemsize
@@ -253,17 +267,9 @@ def copy_raw_slices(reads: list[Read], i: int, start: int, buffers: dict[str, np
     lo = first if first >= start else start
     a = lo - start
     j = i + 1
-    k = 1
-    if lo == first and used == n:  # whole: the whole pages of the same size at the next offsets join it
-        end = offset + page_bytes
-        while j < len(reads):
-            _, _, next_used, next_tier, next_slot = reads[j]
-            if next_tier != tier or next_slot is None or next_slot[0] != end or next_slot[1] != size \
-                    or next_used != n or size != page_bytes:
-                break
-            end += page_bytes
-            j += 1
-        k = j - i
+    if lo == first and used == n:  # whole: the pages right after it in the buffer join it
+        j = _run_end(reads, i, page_bytes)
+    k = j - i
     # The k pages' slots as (k, rows, n, H) heads, each head's D values one element of a void
     # type (numpy copies an element with one memcpy, where bytes one at a time cost several
     # times more); their slice, rows first, into the answer's rows of (T, heads).
