@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvstore.api.event_loop import EVENT_LOOPS
 from kvstore.config import check_int
-from kvstore.kv_events import check_endpoints
+from kvstore.kv_events.wire import check_endpoints
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -37,7 +37,7 @@ class ServerConfig:
     # The event loop `kvstore serve` runs on: "auto" (uvloop when installed, else asyncio's),
     # "uvloop" or "asyncio" (api/event_loop.py says why).
     event_loop: str = "auto"
-    # KV events for routers (api/kv_events_publisher.py, docs/kv_events.md): vLLM's ZeroMQ wire,
+    # KV events for routers (kvstore/kv_events/publisher.py, docs/kv_events.md): vLLM's ZeroMQ wire,
     # PUB on `kv_events_endpoint` (None: no events, and the store reports nothing), replays on
     # `kv_events_replay_endpoint`, each message under `kv_events_topic`.
     kv_events_endpoint: str | None = None

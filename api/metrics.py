@@ -71,7 +71,7 @@ def _is_number(value: Any) -> bool:
 
 
 class KVEventsCollector(Collector):
-    """The KV-event publisher's counters (api/kv_events_publisher.py): events dropped past its
+    """The KV-event publisher's counters (kvstore/kv_events/publisher.py): events dropped past its
     bound (each drop is followed by a resync), batches and events sent, records queued."""
 
     def __init__(self, publisher: Any):

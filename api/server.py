@@ -124,7 +124,7 @@ def kv_events_publisher(config: ServerConfig) -> Any:
     """The KV-event publisher `--kv-events-endpoint` asks for, its sockets bound; None without it."""
     if config.kv_events_endpoint is None:
         return None
-    from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
+    from kvstore.kv_events.publisher import KVEventsPublisher, KVEventsPublisherConfig
 
     try:
         return KVEventsPublisher(KVEventsPublisherConfig(

@@ -39,9 +39,9 @@ import torch  # noqa: E402
 
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.keys import page_key, tokens_bytes  # noqa: E402
-from kvstore.kv_event_log import KVEventLog  # noqa: E402
-from kvstore.kv_event_view import KVEventView  # noqa: E402
-from kvstore.kv_events import TIER_MEDIA, block_hash  # noqa: E402
+from kvstore.kv_events.log import KVEventLog  # noqa: E402
+from tests.kv_event_view import KVEventView  # noqa: E402
+from kvstore.kv_events.wire import TIER_MEDIA, block_hash  # noqa: E402
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", page_size=4)
 MODELS = (("m", None), ("m", "acme"), ("other", None))  # (name, tenant): three namespaces
@@ -176,10 +176,10 @@ class MemorySubscriber:
 class ZmqSubscriber:
     """The store's events through the sidecar's publisher and real ZeroMQ sockets, read as a
     subscriber should: a SUB socket, and the ROUTER for what it missed (the batches sent before it
-    joined, a gap in the sequence numbers): kvstore.integrations.sidecar_events."""
+    joined, a gap in the sequence numbers): kvstore.kv_events.subscriber."""
 
     def __init__(self) -> None:
-        from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
+        from kvstore.kv_events.publisher import KVEventsPublisher, KVEventsPublisherConfig
 
         self._config = KVEventsPublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
                                                batch_interval_s=0.002)
@@ -189,7 +189,7 @@ class ZmqSubscriber:
         self.view = KVEventView()
 
     def attach(self, store: KVStore) -> None:
-        from kvstore.integrations.sidecar_events import SidecarEventSource
+        from kvstore.kv_events.subscriber import SidecarEventSource
 
         if self.publisher is not None:  # a restart: the old sidecar's publisher goes with it
             self.catch_up()
@@ -299,7 +299,7 @@ def check(store: KVStore, subscriber: Any, churn: Churn, ops: int, lookups: int 
 # -- cost ----------------------------------------------------------------------------------------
 def run_cost(rounds: int, calls: int, data_dir: str, batch_interval_s: float = 0.1) -> dict[str, Any]:
     """One-page store (each evicts) and fetch, events off vs on, alternating blocks in one run."""
-    from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
+    from kvstore.kv_events.publisher import KVEventsPublisher, KVEventsPublisherConfig
 
     spec = ModelSpec(num_layers=2, num_kv_heads=8, head_dim=64, dtype="float16", page_size=16)
     store = KVStore(StoreConfig(data_dir=data_dir, cpu_bytes=256 * spec.page_bytes, disk_bytes=0))
@@ -363,10 +363,10 @@ def run_cost(rounds: int, calls: int, data_dir: str, batch_interval_s: float = 0
 
 def event_costs(spec: ModelSpec, n: int = 20_000) -> dict[str, float]:
     """What each part costs, alone: the store's report of one page (placement -> recorder -> a
-    sink's append) and the publisher's packing of one event (kvstore/kv_event_packing.py)."""
+    sink's append) and the publisher's packing of one event (kvstore/kv_events/packing.py)."""
     from kvstore.index import PageIndex
-    from kvstore.kv_event_packing import RecordPacker
-    from kvstore.kv_event_recorder import KVEventRecorder
+    from kvstore.kv_events.packing import RecordPacker
+    from kvstore.kv_events.recorder import KVEventRecorder
     from kvstore.registry import ModelRegistry
 
     registry = ModelRegistry(None)

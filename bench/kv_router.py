@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent  # noqa: E402
+from kvstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent  # noqa: E402
 
 # Weight of a block by the medium that holds it (medium, locality); unknown media count as storage.
 WEIGHTS: dict[tuple[str, str | None], float] = {
@@ -118,8 +118,8 @@ def demo(sidecars: int, documents: int, requests: int, seed: int) -> dict[str, A
     import zmq
 
     from kvstore import KVStore, ModelSpec, StoreConfig
-    from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
-    from kvstore.kv_events import decode_batch
+    from kvstore.kv_events.publisher import KVEventsPublisher, KVEventsPublisherConfig
+    from kvstore.kv_events.wire import decode_batch
 
     rng = random.Random(seed)
     spec = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=16)

@@ -29,7 +29,7 @@ from kvstore.index import Node, PageIndex
 from kvstore.policies import POLICIES, EvictionPolicy
 
 if TYPE_CHECKING:
-    from kvstore.kv_event_recorder import KVEventRecorder
+    from kvstore.kv_events.recorder import KVEventRecorder
 
 
 # Tiers where tenant bytes are counted and quotas hold.

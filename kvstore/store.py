@@ -32,7 +32,7 @@ from kvstore.errors import InvalidModelSpec
 from kvstore.fetch_plan import FetchPlan, plan_fetch
 from kvstore.index import TOKEN_BYTES
 from kvstore.keys import chunk_key, salt_root
-from kvstore.kv_event_recorder import KVEventRecorder, KVEventSink
+from kvstore.kv_events.recorder import KVEventRecorder, KVEventSink
 from kvstore.page_parts import store_part
 from kvstore.page_slice import WHOLE, PageSlice
 from kvstore.page_writes import store_pages
@@ -87,7 +87,7 @@ class KVStore:
         before reading the disk from another process. False if `timeout_s` ran out first."""
         return self._tiers.flush(timeout_s)
 
-    # -- KV events (kvstore/kv_event_recorder.py, docs/kv_events.md) ---------------------------
+    # -- KV events (kvstore/kv_events/recorder.py, docs/kv_events.md) ---------------------------
     def attach_kv_events(self, sink: KVEventSink) -> None:
         """Report every page entering or leaving a tier to `sink`, from now on; it first gets
         the store's whole picture (`sink.reset`: AllBlocksCleared, then every page per tier)."""

@@ -6,8 +6,9 @@ function, except where a rule names its exception.
   stay dumb, and placement, eviction, promotion and demotion live once, in the store
   (docs/design.md §1).
 - gpu/ is a leaf: it imports torch and itself, nothing else of kvstore.
-- kvstore's core (kvstore/*.py but the CLI, and kvstore/policies/) imports no aiohttp, kvstore.api or kvstore.decode: an
-  embedder gets the store without the sidecar or the decode loop. The one exception is the
+- kvstore's core (kvstore/*.py but the CLI, kvstore/policies/ and kvstore/kv_events/) imports no aiohttp,
+  kvstore.api or kvstore.decode: an embedder gets the store, and its KV events, without the sidecar or the
+  decode loop. The one exception is the
   package's lazy public names (`from kvstore import KVStoreClient`, inside `__getattr__`).
 - Only the CLI (kvstore/cli.py) imports the server, the client and the decode loop together.
 - The index, keys and policies import no torch, lmdb or aiohttp; no installed package imports
@@ -128,7 +129,8 @@ def _public_name(imp: Import) -> bool:
 
 
 def test_the_core_imports_no_aiohttp_api_or_decode() -> None:
-    core = [p for p in sorted([*(REPO / "kvstore").glob("*.py"), *(REPO / "kvstore" / "policies").glob("*.py")])
+    core = [p for p in sorted([*(REPO / "kvstore").glob("*.py"), *(REPO / "kvstore" / "policies").glob("*.py"),
+                               *(REPO / "kvstore" / "kv_events").glob("*.py")])
             if str(p.relative_to(REPO)) != CLI]
     found = violations(core, _core_forbidden, _public_name)
     assert not found, "kvstore's core must not import aiohttp, kvstore.api or kvstore.decode:\n" + "\n".join(found)

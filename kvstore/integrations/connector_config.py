@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvstore import StoreConfig
-from kvstore.kv_events import check_endpoints
+from kvstore.kv_events.wire import check_endpoints
 from kvstore.reuse_audit import DEFAULT_AUDIT_RATE, check_audit_rate
 from kvstore.sizes import parse_bytes
 

@@ -130,7 +130,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.info("KVStoreConnector: no kv_events_endpoint for the sidecar's KV events "
                      "(kvstore serve --kv-events-endpoint); take_events reports none")
             return None
-        from kvstore.integrations.sidecar_events import SidecarEventSource
+        from kvstore.kv_events.subscriber import SidecarEventSource
 
         source = SidecarEventSource(self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint)
         return ConnectorEvents(source, self.model, self.spec, self.block_size)

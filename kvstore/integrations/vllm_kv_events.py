@@ -7,7 +7,7 @@ its blocks the store holds and in which medium: "CPU", "STORAGE" (the disk tier;
 Redis tier with locality "REMOTE"), "GPU" for a kvstore GPU tier.
 
 How: the scheduler side says which blocks a request saves (`expect`: the prompt, its vLLM block
-hashes); the store reports every page entering or leaving a tier (kvstore/kv_event_recorder.py,
+hashes); the store reports every page entering or leaving a tier (kvstore/kv_events/recorder.py,
 an in-memory log attached to this process's store). A vLLM block is `block_size / page_size`
 store pages; it is held in a medium while every one of its pages is, so `take` turns the
 store's reports into `BlockStored` (a block becomes held there: its hash, its parent's, its
@@ -16,7 +16,7 @@ refused stores no page, so it reports nothing; a block the store already held is
 soon as a request expects it.
 
 The store's events come from this process's store (`StoreEventSource`) or, with a sidecar
-(`url`), from the sidecar's own stream (`kv_events_endpoint`: sidecar_events.py). The store's
+(`url`), from the sidecar's own stream (`kv_events_endpoint`: kvstore/kv_events/subscriber.py). The store's
 page keys are computed here from the request's tokens and salt in the default tenant (the only
 one in-process; a sidecar's without an auth file): a sidecar tenant named by a bearer token has
 keys this side cannot compute, and its blocks are not reported.
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvstore.keys import namespace_key, page_key, salt_root, tokens_bytes
-from kvstore.kv_event_log import KVEventLog
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hash
+from kvstore.kv_events.log import KVEventLog
+from kvstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_hash
 
 Medium = tuple  # (medium, locality)
 
@@ -60,7 +60,7 @@ class StoreEventSource:
 class ConnectorEvents:
     def __init__(self, source: Any, model: str, spec: Any, block_size: int):
         """`source.take()` gives the store's events (StoreEventSource, or a sidecar's stream:
-        sidecar_events.py)."""
+        kvstore/kv_events/subscriber.py)."""
         self.source, self.model, self.spec, self.block_size = source, model, spec, block_size
         self._root = namespace_key(model, spec.fingerprint)  # the default tenant's
         self._media: dict[int, set[Medium]] = {}  # store page (its block hash) -> media holding it

@@ -13,13 +13,13 @@ import zmq
 from bench.kv_events import MODELS, SPEC, run_exactness, store_picture
 from kvstore import KVStore, StoreConfig
 from kvstore.api.config import ServerConfig
-from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig
+from kvstore.kv_events.publisher import KVEventsPublisher, KVEventsPublisherConfig
 from kvstore.api.metrics import Metrics
 from kvstore.api.server import ServeError, kv_events_publisher
 from kvstore.cli import build_configs, build_parser
-from kvstore.integrations.sidecar_events import SidecarEventSource
-from kvstore.kv_event_view import KVEventView
-from kvstore.kv_events import AllBlocksCleared, decode_batch
+from kvstore.kv_events.subscriber import SidecarEventSource
+from kv_event_view import KVEventView
+from kvstore.kv_events.wire import AllBlocksCleared, decode_batch
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -197,8 +197,8 @@ def test_a_batch_sent_while_the_source_joins_is_replayed_without_waiting_for_the
     # it) and then nothing more: the source, not yet live, finds it in the replay buffer anyway.
     import threading
 
-    import kvstore.integrations.sidecar_events as sidecar_events
-    from kvstore.kv_events import KVEventBatch, encode_batch
+    import kvstore.kv_events.subscriber as sidecar_events
+    from kvstore.kv_events.wire import KVEventBatch, encode_batch
 
     monkeypatch.setattr(sidecar_events, "JOIN_REPLAY_EVERY_S", 0.0)
     ctx = zmq.Context.instance()

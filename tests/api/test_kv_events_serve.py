@@ -17,8 +17,8 @@ import zmq
 
 from kvstore import KVStoreClient, ModelSpec
 from tests.api.test_kv_events_publisher import connected
-from kvstore.kv_event_view import KVEventView
-from kvstore.kv_events import AllBlocksCleared, BlockStored, decode_batch
+from kv_event_view import KVEventView
+from kvstore.kv_events.wire import AllBlocksCleared, BlockStored, decode_batch
 
 REPO = Path(__file__).resolve().parents[2]
 END = (-1).to_bytes(8, "big", signed=True)

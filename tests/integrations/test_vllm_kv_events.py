@@ -16,10 +16,10 @@ import zmq
 vllm_events = pytest.importorskip("vllm.distributed.kv_events")
 
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
-from kvstore.api.kv_events_publisher import KVEventsPublisher, KVEventsPublisherConfig  # noqa: E402
+from kvstore.kv_events.publisher import KVEventsPublisher, KVEventsPublisherConfig  # noqa: E402
 from kvstore.integrations.connector_config import ConnectorConfig  # noqa: E402
 from kvstore.integrations.store_link import StoreLink  # noqa: E402
-from kvstore.integrations.sidecar_events import SidecarEventSource  # noqa: E402
+from kvstore.kv_events.subscriber import SidecarEventSource  # noqa: E402
 from kvstore.integrations.vllm_kv_events import ConnectorEvents, StoreEventSource  # noqa: E402
 from kvstore.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
 from tests.integrations.test_vllm_scheduler import request, step  # noqa: E402

@@ -9,12 +9,12 @@ import torch
 from bench.kv_events import MODELS, SPEC, Churn, MemorySubscriber, check, run_exactness, store_picture
 from kvstore import KVStore, StoreConfig
 from kvstore.errors import InsufficientStorage, InvalidKV
-from kvstore.kv_event_log import KVEventLog
-from kvstore.kv_event_view import KVEventView
+from kvstore.kv_events.log import KVEventLog
+from kv_event_view import KVEventView
 from kvstore.keys import page_key, tokens_bytes
-from kvstore.kv_event_packing import RecordPacker
-from kvstore.kv_event_recorder import CLEARED, REMOVED, STORED, record_to_event
-from kvstore.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash, decode_batch,
+from kvstore.kv_events.packing import RecordPacker
+from kvstore.kv_events.recorder import CLEARED, REMOVED, STORED, record_to_event
+from kvstore.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash, decode_batch,
                                encode_batch)
 
 

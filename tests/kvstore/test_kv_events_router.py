@@ -7,7 +7,7 @@ import torch
 
 from bench.kv_router import Router
 from kvstore import KVStore, ModelSpec, StoreConfig
-from kvstore.kv_event_log import KVEventLog
+from kvstore.kv_events.log import KVEventLog
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float16", page_size=8)
 P = SPEC.page_size

@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from kvstore.kv_events import KVEvent, decode_batch
+from kvstore.kv_events.wire import KVEvent, decode_batch
 
 log = logging.getLogger("kvstore.vllm")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -7,7 +7,7 @@ not matchable, so it is reported only once it is `ready`; a store that fails or 
 makes it ready and reports nothing). Tiers know nothing of events.
 
 A report is a small tuple (a *record*), made under the store's lock and handed to each attached
-sink's `append`, which must not block: turning it into a vLLM event (kvstore/kv_events.py) is
+sink's `append`, which must not block: turning it into a vLLM event (kvstore/kv_events/wire.py) is
 the sink's work, on its own thread. A sink attached to a live store first gets `reset` with the
 store's whole picture (`snapshot`: `AllBlocksCleared`, then every ready page in every tier,
 parents first), which is also how a restarted store reports what its disk tier holds and how a
@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from kvstore.index import Node, PageIndex
-from kvstore.kv_events import TIER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash, token_list
+from kvstore.kv_events.wire import (TIER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash,
+                                    token_list)
 from kvstore.registry import ModelRegistry
 
 STORED, REMOVED, CLEARED = 0, 1, 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kvstore.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from kvstore.kv_events.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 Medium = tuple  # (medium, locality)
 

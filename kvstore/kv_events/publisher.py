@@ -7,7 +7,7 @@ decoder, llm-d's indexer, Dynamo's router) read it unchanged:
     ROUTER   a client sends (b"", 8-byte big-endian start sequence number); it gets back every
              buffered batch from there as (b"", topic, seq, payload), then (b"", b"", -1, b"")
 
-The store hands records to `append` under its lock (kvstore/kv_event_recorder.py); that is a
+The store hands records to `append` under its lock (kvstore/kv_events/recorder.py); that is a
 bounded deque append and a counter, so a slow or absent subscriber never slows a store. One
 background thread owns both sockets: every `batch_interval_s` it turns what is queued into one
 batch (at most `max_batch_events` events), sends it, keeps it for replay, and answers replay
@@ -28,9 +28,9 @@ from typing import Any
 import zmq
 
 from kvstore.config import check_int
-from kvstore.kv_event_packing import RecordPacker
-from kvstore.kv_event_recorder import Record
-from kvstore.kv_events import now_s
+from kvstore.kv_events.packing import RecordPacker
+from kvstore.kv_events.recorder import Record
+from kvstore.kv_events.wire import now_s
 
 log = logging.getLogger("kvstore.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

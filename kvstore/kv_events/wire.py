@@ -18,7 +18,7 @@ cpu "CPU", disk "STORAGE" (locality "LOCAL"), redis "STORAGE" with locality "REM
 other sidecars share). A subscriber keys what it holds by (medium, locality).
 
 This module only describes and encodes events; the store reports its pages through
-kv_event_recorder.py, and the sidecar publishes them (api/kv_events_publisher.py).
+recorder.py, and the sidecar publishes them (kvstore/kv_events/publisher.py).
 """
 from __future__ import annotations
 

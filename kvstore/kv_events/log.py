@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from kvstore.kv_event_recorder import Record, record_to_event
-from kvstore.kv_events import KVEvent
+from kvstore.kv_events.recorder import Record, record_to_event
+from kvstore.kv_events.wire import KVEvent
 
 if TYPE_CHECKING:
     from kvstore.store import KVStore

@@ -1,4 +1,4 @@
-"""Store records (kvstore/kv_event_recorder.py) packed straight into a `KVEventBatch` payload.
+"""Store records (kvstore/kv_events/recorder.py) packed straight into a `KVEventBatch` payload.
 
 The bytes are exactly `encode_batch` of the events the records stand for (a test holds them to
 it), built from pieces: every field of an event that is the same for all pages of a model in a
@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 
-from kvstore.kv_event_recorder import REMOVED, STORED, Record
-from kvstore.kv_events import HASH_MASK, TIER_MEDIA, token_list
+from kvstore.kv_events.recorder import REMOVED, STORED, Record
+from kvstore.kv_events.wire import HASH_MASK, TIER_MEDIA, token_list
 
 _pack = msgpack.Packer(use_bin_type=True).pack
 
