@@ -27,10 +27,8 @@ measures another checkout: `PYTHONPATH=/path/to/old/site python bench/api.py`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -51,7 +49,9 @@ if str(REPO) not in sys.path:
 import kvstore  # noqa: E402
 from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore import ModelSpec  # noqa: E402
-from bench.ops import redis_configs, start_redis, start_sidecar as start_kvstore_serve  # noqa: E402
+from bench.engines import RedisServer  # noqa: E402
+from bench.ops import redis_configs, start_sidecar  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 # 32 KiB of KV per token (8 layers x 8 KV heads x 128 dims, fp16), 16-token pages of 512 KiB:
 # a 2 MiB value is 64 tokens = 4 pages, a 64 KiB value 2 tokens (one tail page).
@@ -78,12 +78,6 @@ class Cell:
     p50_ms: float
     p99_ms: float
     config: str | None = None  # the redis-py configuration of a `redis` cell (the faster one)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_clients(clients: int, seconds: float, nbytes: int,
@@ -143,11 +137,6 @@ def merge_rounds(cells: list[Cell]) -> list[Cell]:
 
 # ---- the sidecar -----------------------------------------------------------------------------
 
-def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str, str]:
-    """-> (process, url, the sidecar's kvstore.__file__)."""
-    return start_kvstore_serve(tmp / "data", CPU_BYTES)
-
-
 def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float, seq: list[int],
                   warm: list[bool], transport: str) -> list[Cell]:
     """`transport`: "shm" (the client's default on loopback: KV through shared memory) or "tcp"
@@ -199,7 +188,7 @@ def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float
     return [stored, summarize(system, "fetch", size, clients, nbytes, run_clients(clients, seconds, nbytes, fetch_op))]
 
 
-# ---- redis (the server: bench/ops.py start_redis) ----------------------------------------------
+# ---- redis (the server: bench/engines.py RedisServer) -------------------------------------------
 
 def redis_cells(port: int, size: str, nbytes: int, clients: int, seconds: float) -> list[Cell]:
     """SET/GET cells for each redis-py configuration (system `redis-<config>`)."""
@@ -351,10 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--transports: expected shm and/or tcp, got {args.transports!r}")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        sidecar, url, where = start_sidecar(tmp)
-        redis_proc = None if args.no_redis else start_redis(tmp)
-        redis_note = "redis column skipped: --no-redis" if args.no_redis else \
-            ("redis column skipped: no redis-server installed" if redis_proc is None else None)
+        sidecar = start_sidecar(tmp / "data", CPU_BYTES)
+        url, where = sidecar.url, sidecar.preamble[0]
+        redis, redis_note = None, "redis column skipped: --no-redis" if args.no_redis else None
+        if not args.no_redis:
+            try:
+                redis = RedisServer(tmp).start()
+            except RuntimeError as e:
+                redis_note = f"redis column skipped: {e}"
         cells: list[Cell] = []
         seq = [0]  # next unused token id, so every sidecar store writes new pages
         warm = [False]
@@ -367,25 +360,22 @@ def main(argv: list[str] | None = None) -> int:
                         for _ in range(args.rounds):
                             for transport in transports:
                                 cells += sidecar_cells(url, size, SIZES[size], n, per_round, seq, warm, transport)
-                            if redis_proc is not None:
-                                cells += redis_cells(redis_proc[1], size, SIZES[size], n, per_round)
+                            if redis is not None:
+                                cells += redis_cells(redis.port, size, SIZES[size], n, per_round)
                             bar.update()
             cells = faster_redis(merge_rounds(cells))
         finally:
-            sidecar.terminate()
-            sidecar.wait(30)
-            if redis_proc is not None:
-                redis_proc[0].terminate()
-                redis_proc[0].wait(10)
+            sidecar.stop()
+            if redis is not None:
+                redis.stop()
     latency = latency_rows(cells)
     print(f"kvstore: {os.path.dirname(kvstore.__file__)} (sidecar: {os.path.dirname(where)})")
     print(table(cells, loopback, redis_note))
     if latency:
         print(latency_table(latency))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"loopback_mb_per_s": loopback, "redis_note": redis_note,
-                                               "kvstore": os.path.dirname(kvstore.__file__),
-                                               "cells": [asdict(c) for c in cells], "latency": latency}, indent=2))
+    write_json(args.json, {"loopback_mb_per_s": loopback, "redis_note": redis_note,
+                           "kvstore": os.path.dirname(kvstore.__file__), "cells": [asdict(c) for c in cells],
+                           "latency": latency})
     return 0
 
 

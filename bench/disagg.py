@@ -4,7 +4,7 @@
                            [--json out.json]
 
 The model is SmolLM2-135M-Instruct (float32), served by vLLM's OpenAI server on its CPU build,
-each engine a process of its own (bench/vllm_server.py). Two deployments run one after the
+each engine a process of its own (bench/engines.py). Two deployments run one after the
 other, on the same requests:
 
     one engine   vLLM alone, its own prefix cache on
@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,9 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.vllm_server import EngineServer, free_port  # noqa: E402
+from bench.engines import EngineServer, Sidecar, serve_args, start_proxy  # noqa: E402
+from bench.prompts import documentation_sections  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from kvstore.decode.model_pull import pull  # noqa: E402
 
 LONG_ANSWER_TOKENS = 16
@@ -51,12 +52,10 @@ LONG_ANSWER_TOKENS = 16
 
 def long_prompts(model_dir: Path, count: int, tokens: int) -> list[list[dict[str, str]]]:
     """`count` distinct system prompts of about `tokens` tokens of real text, and a question."""
-    import pydoc_data.topics
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    topics = sorted(pydoc_data.topics.topics.items(), key=lambda kv: -len(kv[1]))
-    text = "\n\n".join(body for _, body in topics)
+    text = "\n\n".join(sorted(documentation_sections(), key=len, reverse=True))
     ids = tokenizer.encode(text)
     prompts = []
     for i in range(count):
@@ -130,24 +129,19 @@ def one_engine(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
 
 
 def disaggregated(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
-    sidecar_port = free_port()
-    sidecar = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(sidecar_port),
-                                "--cpu-bytes", "2GiB", "--disk-bytes", "0", "--log-level", "warning"])
-    store_url = f"http://127.0.0.1:{sidecar_port}"
+    sidecar = Sidecar(work / "sidecar", serve_args("2GiB")).start()
+    store_url = sidecar.url
     length = args.long_tokens + 512
     prefill = EngineServer(model, "kv_producer", store_url, work / "prefill.log", max_model_len=length).start()
     decode = EngineServer(model, "kv_consumer", store_url, work / "decode.log", max_model_len=length).start()
-    proxy_port = free_port()
-    proxy = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill.url, "--decode",
-                              decode.url, "--port", str(proxy_port)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    proxy, proxy_url = start_proxy(prefill.url, decode.url)
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        return asyncio.run(run_mix(f"http://127.0.0.1:{proxy_port}", str(model), args, longs, shorts))
+        return asyncio.run(run_mix(proxy_url, str(model), args, longs, shorts))
     finally:
-        for process in (proxy, sidecar):
-            process.kill()
+        proxy.kill()
+        sidecar.kill()
         prefill.kill()
         decode.kill()
 
@@ -183,9 +177,7 @@ def main() -> int:
         r = results[name]
         print(f"{name:<12} {ms(r['tpot_alone_ms']):>11} {ms(r['tpot_under_prefill_ms']):>19} "
               f"{ms(statistics.median(r['long_ttft_ms'])):>19} {ms(statistics.median(r['long_total_ms'])):>20}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

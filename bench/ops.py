@@ -35,7 +35,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,9 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kvstore  # noqa: E402
+from bench import engines  # noqa: E402
+from bench.engines import RedisServer, Sidecar  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
 # 1 layer x 8 KV heads x 128 dims x fp16 x 16 tokens x (K, V) = a 64 KiB page.
@@ -300,29 +302,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_sidecar(data_dir: Path, cpu_bytes: int, launch: str = LAUNCH, extra_args: tuple[str, ...] = (),
-                  serve_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
+                  serve_args: tuple[str, ...] = ()) -> Sidecar:
     """`kvstore serve` (CPU tier only) in a subprocess that imports the kvstore this process
-    does (PYTHONPATH is inherited; the working directory is a temporary one, since `-c` puts it
-    first on sys.path). -> (process, url, its kvstore.__file__)."""
-    port = free_port()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", launch, *extra_args, "serve", "--port", str(port),
-                             "--data-dir", str(data_dir), "--cpu-bytes", str(cpu_bytes), "--disk-bytes", "0",
-                             "--log-level", "warning", *serve_args], stdout=subprocess.PIPE, text=True, cwd=data_dir)
-    assert proc.stdout is not None
-    where = proc.stdout.readline().strip()
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        raise SystemExit("kvstore serve did not start")
-    return proc, f"http://127.0.0.1:{port}", where
+    does (PYTHONPATH is inherited; the working directory is its data directory, since `-c` puts
+    it first on sys.path); its `preamble` holds the kvstore.__file__ it imported."""
+    return Sidecar(data_dir, [*engines.serve_args(cpu_bytes), *serve_args],
+                   launch=[sys.executable, "-c", launch, *extra_args], cwd=data_dir).start()
 
 
 def sidecar_cases(fetch_url: str, store_urls: dict[int, str], transports: list[str], tokens: TokenSource,
@@ -384,27 +370,6 @@ def sidecar_cases(fetch_url: str, store_urls: dict[int, str], transports: list[s
 
 
 # ---- redis-py, both configurations -----------------------------------------------------------
-
-def start_redis(tmp: Path) -> tuple[subprocess.Popen, int] | None:
-    import shutil
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None
-    import redis
-
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp), "--protected-mode", "no"], stdout=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            redis.Redis(port=port).ping()
-            return proc, port
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    return None
-
 
 def redis_configs(port: int) -> dict[str, Any]:
     """redis-py with hiredis (its default when installed: hiredis parses replies and packs
@@ -522,13 +487,12 @@ def target_cells(row: dict[str, Any]) -> tuple[str, str]:
             "; ".join(("met" if t["met"] else "missed") + f" ({t['value']:.2f})" for t in targets) or "–")
 
 
-def close_all(closers: list[Any], procs: list[subprocess.Popen]) -> None:
-    """Close the clients and stores a run opened, then stop the processes it started."""
+def close_all(closers: list[Any], servers: list[Sidecar | RedisServer]) -> None:
+    """Close the clients and stores a run opened, then stop the servers it started."""
     for c in closers:
         c.close()
-    for p in procs:
-        p.terminate()
-        p.wait(30)
+    for server in servers:
+        server.stop()
 
 
 def settle_collector() -> None:
@@ -570,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         before = run_before(args.before_site, same + (["--no-redis"] if args.no_redis else []))
     print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
     torch.set_num_threads(1)
-    procs: list[subprocess.Popen] = []
+    procs: list[Sidecar | RedisServer] = []
     closers: list[Any] = []
     header = [f"kvstore in this process: {os.path.dirname(kvstore.__file__)}"]
     with tempfile.TemporaryDirectory(prefix="kvstore-ops-") as tmpdir:
@@ -589,20 +553,19 @@ def main(argv: list[str] | None = None) -> int:
             if "sidecar" in paths:
                 redis_port = None
                 if not args.no_redis:
-                    started = start_redis(tmp)
-                    if started is None:
-                        header.append("redis-py column: no redis-server installed")
-                    else:
-                        procs.append(started[0])
-                        redis_port = started[1]
-                fetch_proc, fetch_url, where = start_sidecar(tmp / "sidecar-fetch", 128 * MIB)
-                procs.append(fetch_proc)
+                    try:
+                        procs.append(RedisServer(tmp).start())
+                        redis_port = procs[-1].port
+                    except RuntimeError as e:
+                        header.append(f"redis-py column: {e}")
+                procs.append(start_sidecar(tmp / "sidecar-fetch", 128 * MIB))
+                fetch_url, where = procs[-1].url, procs[-1].preamble[0]
                 # One sidecar per page size for the stores (each evicts: its tier is filled first);
                 # a CPU tier's freed slots serve only pages of their own size (tiers/slots.py).
                 store_urls = {}
                 for nbytes in (64 * KIB, 2 * MIB):
-                    store_proc, store_urls[nbytes], _ = start_sidecar(tmp / f"sidecar-store-{nbytes}", 64 * MIB)
-                    procs.append(store_proc)
+                    procs.append(start_sidecar(tmp / f"sidecar-store-{nbytes}", 64 * MIB))
+                    store_urls[nbytes] = procs[-1].url
                 header.append(f"kvstore in the sidecars: {os.path.dirname(where)}")
                 found, clients = sidecar_cases(fetch_url, store_urls, transports, tokens, redis_port)
                 cases += found
@@ -635,8 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbefore (kvstore from {before['kvstore']}, run first) / after (this run):")
         print(compare_table(before["rows"], rows))
         result = {"before": before, "after": result}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return 0
 
 

@@ -24,16 +24,16 @@ Needs vLLM's CPU build; every figure is the best of `--repeats`, ratios within o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.report import write_json  # noqa: E402
+from bench.timing import best_of  # noqa: E402
 from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout,  # noqa: E402
                                                StridedBlockLayout, join_runs, probe_block_order)
 
@@ -41,13 +41,7 @@ LAYERS, HEADS, HEAD_DIM, PAGE, BLOCK = 30, 3, 64, 16, 32
 
 
 def best_ms(work: Callable[[], None], repeats: int) -> float:
-    work()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
+    return best_of(work, repeats, warm_up=True) * 1e3
 
 
 def strided_copies(layout: StridedBlockLayout, layer: torch.Tensor, block_ids: torch.Tensor,
@@ -146,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{strided / memcpy:>15.2f} {row['writer_ms'] / memcpy:.2f} {row['per_offset_ms'] / memcpy:.2f} "
               f"{row['answer_ms'] / memcpy:.2f} {row['gather_ms'] / memcpy:.2f}")
         results.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"isa": args.isa, "threads": torch.get_num_threads(), "results": results}, f, indent=1)
+    write_json(args.json, {"isa": args.isa, "threads": torch.get_num_threads(), "results": results})
     return 0
 
 

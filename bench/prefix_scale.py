@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import random
-import statistics
 import sys
 import tempfile
-import time
 
 if importlib.util.find_spec("kvstore") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,6 +26,8 @@ if importlib.util.find_spec("kvstore") is None:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.report import write_json  # noqa: E402
+from bench.timing import per_call_us  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", page_size=16)
@@ -38,17 +37,6 @@ PROMPT_TOKENS = 40
 
 def prompt(rng: random.Random) -> list[int]:
     return [BOS] + [rng.randrange(2, 50_000) for _ in range(PROMPT_TOKENS - 1)]
-
-
-def per_call_us(fn, calls: int, repeat: int) -> float:
-    """Median over `repeat` runs of the mean µs per call of `calls` calls (fn takes the call's index)."""
-    runs = []
-    for r in range(repeat):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(r * calls + i)
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(runs)
 
 
 def measure(size: int, calls: int, repeat: int, rng: random.Random) -> dict[str, float]:
@@ -88,9 +76,7 @@ def main() -> int:
         cells = [f"{row[k]:.1f} ({row[k] / first[k]:.2f}×)" for k in
                  ("lookup_miss_us", "lookup_partial_hit_us", "store_new_prompt_us")]
         print(f"| {size:,} | " + " | ".join(cells) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"sizes": sizes, "rows": {str(k): v for k, v in rows.items()}}, f, indent=2)
+    write_json(args.json, {"sizes": sizes, "rows": {str(k): v for k, v in rows.items()}})
     return 0
 
 

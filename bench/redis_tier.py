@@ -17,25 +17,21 @@ noisy); absolute MB/s are printed for context only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Callable
 
 # After PYTHONPATH: an older copy of kvstore there is what gets measured.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import redis  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kvstore.tier_stack  # noqa: E402
+from bench import timing  # noqa: E402
+from bench.engines import RedisServer  # noqa: E402
+from bench.report import write_json  # noqa: E402
 import kvstore.tiers.redis  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.keys import namespace_key, prefix_keys  # noqa: E402
@@ -49,50 +45,9 @@ SPEC_64KIB = ModelSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16
 PREFIX = "bench:"
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def interleaved(subject: Callable[[], object], baseline: Callable[[], object], repeat: int,
-                bar: tqdm) -> dict:
-    """Median seconds of each, and the median of per-round ratios baseline/subject (> 1: the
-    subject is faster), with the two run back to back each round so both see the same load."""
-    pairs = []
-    for _ in range(repeat):
-        pairs.append((timed(subject), timed(baseline)))
-        bar.update(1)
-    return {"subject_s": statistics.median(p[0] for p in pairs), "baseline_s": statistics.median(p[1] for p in pairs),
-            "ratio": statistics.median(p[1] / p[0] for p in pairs)}
-
-
-class Server:
-    """A redis-server of our own on a free loopback port, in a temporary directory."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            sys.exit("redis-server is not installed (make system-deps), or pass --redis-url")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="kvstore-bench-redis-")
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        for _ in range(200):
-            try:
-                if redis.Redis(port=self.port).ping():
-                    return
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.02)
-        sys.exit("redis-server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+def interleaved(subject: Callable[[], object], baseline: Callable[[], object], repeat: int, bar: tqdm) -> dict:
+    """bench/timing.py's `interleaved`, one baseline, a step of the bar a round."""
+    return timing.interleaved(subject, [baseline], repeat, bar.update)
 
 
 def stored_prompt(store: KVStore, spec: ModelSpec, pages: int,
@@ -163,17 +118,21 @@ def main() -> None:
     parser.add_argument("--redis-url", help="an existing Redis (default: start a redis-server here)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    server = None if args.redis_url else Server()
-    url = args.redis_url or server.url  # type: ignore[union-attr]
     results = {}
     one_page_repeat = args.one_page_repeat or args.repeat
-    try:
-        with tqdm(total=2 * (4 * args.repeat + one_page_repeat), desc="redis tier", unit="run") as bar:
-            for name, spec in (("2MiB", SPEC_2MIB), ("64KiB", SPEC_64KIB)):
-                results[name] = bench_spec(url, spec, args.pages, args.repeat, one_page_repeat, bar)
-    finally:
-        if server is not None:
-            server.stop()
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as tmp:
+        try:
+            server = None if args.redis_url else RedisServer(tmp).start()
+        except RuntimeError as e:
+            sys.exit(f"{e}, or pass --redis-url")
+        try:
+            with tqdm(total=2 * (4 * args.repeat + one_page_repeat), desc="redis tier", unit="run") as bar:
+                for name, spec in (("2MiB", SPEC_2MIB), ("64KiB", SPEC_64KIB)):
+                    results[name] = bench_spec(args.redis_url or server.url, spec, args.pages, args.repeat,
+                                               one_page_repeat, bar)
+        finally:
+            if server is not None:
+                server.stop()
     for name, r in results.items():
         mb = r["page_bytes"] / 1e6
         one = r["one_page"]
@@ -190,9 +149,7 @@ def main() -> None:
         print(f"{name} x{r['pages']} wire only (tier's reader, no decode): pipelined {w['subject_s'] * 1e3:.1f} ms "
               f"({total / w['subject_s']:.0f} MB/s) vs one GET per round trip {w['baseline_s'] * 1e3:.1f} ms "
               f"({total / w['baseline_s']:.0f} MB/s) -> {w['ratio']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

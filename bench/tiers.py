@@ -9,9 +9,7 @@ and noisy); absolute MB/s are printed for context only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -23,21 +21,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.report import write_json  # noqa: E402
+from bench.timing import best_of, interleaved  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
 # 32 layers x 8 KV heads x 128 dims x fp16 x 16 tokens = a 2 MiB page (Llama-3-8B's shape).
 SPEC_2MIB = ModelSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def best_of(repeat: int, fn) -> float:
-    """Best wall time of `repeat` runs: the least disturbed by other load on a shared machine."""
-    return min(timed(fn) for _ in range(repeat))
 
 
 class CopyBaseline:
@@ -58,10 +47,8 @@ class CopyBaseline:
 
 def ratio_to(baselines, subject, repeat: int) -> tuple[float, float, float]:
     """(subject seconds, baseline seconds, baseline/subject), medians over interleaved runs."""
-    pairs = [(timed(subject), min(timed(b) for b in baselines)) for _ in range(repeat)]
-    subject_s = statistics.median(p[0] for p in pairs)
-    base_s = statistics.median(p[1] for p in pairs)
-    return subject_s, base_s, statistics.median(p[1] / p[0] for p in pairs)
+    r = interleaved(subject, baselines, repeat)
+    return r["subject_s"], r["baseline_s"], r["ratio"]
 
 
 def bench_cpu(pages: int, repeat: int, base: CopyBaseline) -> dict:
@@ -125,7 +112,7 @@ def bench_lookup(lengths: list[int], repeat: int) -> list[dict]:
             tokens = list(range(length))
             store.store("m", tokens, torch.zeros(spec.kv_shape(length), dtype=torch.float16))
             assert store.lookup("m", tokens).matched_tokens == length
-            seconds = best_of(repeat, lambda: store.lookup("m", tokens))
+            seconds = best_of(lambda: store.lookup("m", tokens), repeat)
             pages = length // spec.page_size
             out.append({"tokens": length, "pages": pages, "lookup_s": seconds, "us_per_page": seconds / pages * 1e6})
     return out
@@ -177,12 +164,9 @@ def main() -> None:
         print(f"{row['tokens']:>14} {row['pages']:>7} {row['us_per_page']:8.2f} {row['lookup_s'] * 1e3:9.2f}")
     growth = lookup[-1]["lookup_s"] / lookup[0]["lookup_s"]
     print(f"lookup time 128k/8k = {growth:.1f}x for 16x the pages (linear = 16x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"pages_per_call": args.pages, "cpu": cpu, "disk": disk, "lookup": lookup,
-                       "rows": [{"path": r[0], "mb_per_s": r[1], "ratio": r[2], "versus": r[3], "target": r[4]}
-                                for r in rows],
-                       "zstd_size_ratio": zstd_size}, f, indent=1)
+    write_json(args.json, {"pages_per_call": args.pages, "cpu": cpu, "disk": disk, "lookup": lookup,
+                           "rows": [{"path": r[0], "mb_per_s": r[1], "ratio": r[2], "versus": r[3], "target": r[4]}
+                                    for r in rows], "zstd_size_ratio": zstd_size})
 
 
 if __name__ == "__main__":

@@ -26,10 +26,7 @@ Llama whose prefill is cheap, for trying the script quickly. Targets at 8k token
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +41,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))  # after PYTHONPATH: an older kvstore there wins
 
+from bench.engines import Sidecar  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from kvstore.decode import LlamaArch, LlamaModel, generate, load_model, tiny_model  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
@@ -69,21 +68,6 @@ class Row:
     ttft_median_s: float
     fetch_bytes: int
     fetch_gb_per_s: float  # 10^9 bytes / s
-
-
-def start_sidecar(tmp: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-                             "--data-dir", str(tmp / "sidecar"), "--cpu-bytes", "2GiB", "--disk-bytes", "0"],
-                            stdout=subprocess.PIPE, stderr=(tmp / "sidecar.log").open("w"), text=True, cwd=REPO)
-    seen = []
-    for line in proc.stdout:  # the startup line names the bound port; anything before it is skipped
-        seen.append(line)
-        found = re.search(r"http://[\d.]+:\d+", line)
-        if found:
-            return proc, found.group(0)
-    proc.kill()
-    log = (tmp / "sidecar.log").read_text()[-2000:]
-    raise SystemExit(f"bench/ttft.py: kvstore serve did not start: {''.join(seen[-5:])!r}\n{log}")
 
 
 class Prompts:
@@ -223,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
             url = args.server
             if url is None:
-                proc, url = start_sidecar(tmp)
-                stack.callback(lambda: (proc.terminate(), proc.wait(timeout=30)))
+                url = stack.enter_context(Sidecar(tmp / "sidecar", ["--cpu-bytes", "2GiB", "--disk-bytes", "0"])).url
             backends["sidecar"] = stack.enter_context(KVStoreClient(url))
         for backend in backends.values():  # warm up torch, connections and registration
             warm = prompts.take(64)
@@ -260,14 +243,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{arch.num_heads}:{arch.num_kv_heads} GQA, {arch.num_params / 1e6:.0f} M params, {arch.dtype}, "
           f"{model.spec.bytes_per_token} B KV/token; prompts {'real text' if prompts.text_ids else 'random ids'}; "
           f"torch threads {torch.get_num_threads()}; {elapsed:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "model": {"name": model.name, **asdict(arch), "rope_scaling": arch.rope_scaling_dict,
-                      "params": arch.num_params, "prompts": "real text" if prompts.text_ids else "random ids",
-                      "page_size": model.spec.page_size, "kv_bytes_per_token": model.spec.bytes_per_token},
-            "torch_threads": torch.get_num_threads(), "elapsed_s": elapsed,
-            "rows": [asdict(r) for r in rows], "break_even": even,
-            "targets": {"length": longest, "max_ratio": TARGETS, "met": verdicts}}, indent=2))
+    write_json(args.json, {
+        "model": {"name": model.name, **asdict(arch), "rope_scaling": arch.rope_scaling_dict,
+                  "params": arch.num_params, "prompts": "real text" if prompts.text_ids else "random ids",
+                  "page_size": model.spec.page_size, "kv_bytes_per_token": model.spec.bytes_per_token},
+        "torch_threads": torch.get_num_threads(), "elapsed_s": elapsed,
+        "rows": [asdict(r) for r in rows], "break_even": even,
+        "targets": {"length": longest, "max_ratio": TARGETS, "met": verdicts}})
     return 0
 
 

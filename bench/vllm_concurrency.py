@@ -24,7 +24,6 @@ requests per second of a batch with `--output-tokens` tokens each. Each figure i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -34,8 +33,10 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.vllm_ttft import REAL_MODEL, Prompts, kv_bytes_per_token, make_engine, model_facts, \
-    parse_or_serve_engine, run_engine, start_sidecar, write_random_model  # noqa: E402
+from bench.engines import REAL_MODEL, Sidecar, checkpoint, kv_bytes_per_token, make_engine, model_facts, \
+    parse_or_serve_engine, run_engine, serve_args  # noqa: E402
+from bench.prompts import Prompts  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
@@ -100,12 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-concurrency-") as tmp:
         root = Path(tmp)
         with tqdm(total=4, desc="vllm_concurrency", unit="engine", file=sys.stderr) as bar:
-            if args.random_model:
-                directory = write_random_model(root / "model", "float32")
-            else:
-                from kvstore.decode.model_pull import pull
-
-                directory = pull(REAL_MODEL)
+            directory = checkpoint(args.random_model, root / "model")
             facts = model_facts(directory)
             max_model_len = args.prefix_tokens + args.suffix_tokens + args.output_tokens + 64
             if max_model_len > facts["context"]:
@@ -121,15 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, Any] = {"vllm": run_engine(dict(base, extra=None), __file__)}
             bar.update()
             store_bytes = f"{max(1024, 4 * per_token * args.requests * max_model_len >> 20)}MiB"
-            sidecar, url = start_sidecar(root / "sidecar", store_bytes)
-            try:
+            with Sidecar(root / "sidecar", serve_args(store_bytes)) as sidecar:
                 for name, load_async in (("kvstore", False), ("kvstore_async", True)):
-                    extra = {"url": url, "timeout_s": 120, "load_async": load_async}
+                    extra = {"url": sidecar.url, "timeout_s": 120, "load_async": load_async}
                     results[name] = run_engine(dict(base, extra=extra), __file__)
                     bar.update()
-            finally:
-                sidecar.kill()
-                sidecar.wait(30)
             bar.update()
     table = summarize(results)
     print(f"model: {'random-weight Llama' if args.random_model else REAL_MODEL}, float32; {args.requests} requests "
@@ -138,10 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in table:
         print(f"{row['case']:<44} {row['ttft_s'] * 1e3:>9.0f} {row['requests_per_s']:>7.2f} "
               f"{row['throughput_vs_vllm_cached']:>14.2f}x {row['throughput_vs_nothing_cached']:>17.2f}x")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
-                                         "raw": results, "table": table}, indent=2, default=str))
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"}, "raw": results,
+                           "table": table})
     return 0
 
 

@@ -39,9 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,11 +52,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.reliability.rank_fault_connector import FAULT_SALT  # noqa: E402
-from bench.vllm_server import EngineServer, free_port  # noqa: E402
-from bench.vllm_ttft import Prompts, make_engine, start_sidecar  # noqa: E402
+from bench.engines import REAL_MODEL, EngineServer, Sidecar, make_engine, parse_or_serve_engine, run_engine, \
+    serve_args, start_proxy  # noqa: E402
+from bench.prompts import Prompts  # noqa: E402
+from bench.report import check, print_checks, write_json  # noqa: E402
 from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
 
-REAL_MODEL = "smollm2"
 UNSERVED_SALT = "unserved-" + "x" * MAX_SALT_BYTES  # too long for the store: vLLM alone computes it
 ANSWER_TOKENS = 16
 TARGETS = {"cross_hit_share_of_pages": 1.0, "fault_pages_served": 0, "hit_over_full_prefill": 0.25,
@@ -75,10 +73,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine: dict[str, Any] = dict(dtype="float32", tensor_parallel_size=job["tp"])
-    if job["tp"] > 1:
-        engine["distributed_executor_backend"] = "mp"
-    llm = make_engine(job, **engine)
+    llm = make_engine(job, dtype="float32")
     out = []
     for step in job["steps"]:
         if step.get("reset"):
@@ -93,18 +88,11 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     return {"steps": out}
 
 
-def run_engine(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """`engine_main(job)` in a fresh process: step name -> its results (the best time of steps
-    that share a name)."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # the ranks import bench/
-    done = subprocess.run([sys.executable, __file__, "--engine-job", json.dumps(job)], capture_output=True, text=True,
-                          env=env, timeout=7200)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"TP={job['tp']} engine failed:\n{done.stderr[-4000:]}")
+def run_steps(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`engine_main(job)` in a fresh process (its ranks share the cores): step name -> its
+    results (the best time of steps that share a name)."""
     best: dict[str, dict[str, Any]] = {}
-    for step in json.loads(lines[-1][len("ENGINE "):])["steps"]:
+    for step in run_engine(job, __file__, VLLM_CPU_OMP_THREADS_BIND="nobind")["steps"]:
         if step["name"] not in best or step["seconds"] < best[step["name"]]["seconds"]:
             best[step["name"]] = step
     return best
@@ -134,13 +122,11 @@ def disaggregated(model: Path, work: Path, store_url: str, producer_tp: int, con
                            max_model_len=max_model_len, tp=producer_tp).start()
     decode = EngineServer(model, "kv_consumer", store_url, work / f"decode-tp{consumer_tp}.log",
                           max_model_len=max_model_len, tp=consumer_tp).start()
-    port = free_port()
-    proxy = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill.url, "--decode",
-                              decode.url, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proxy, proxy_url = start_proxy(prefill.url, decode.url)
     try:
         prefill.wait_ready(1800)
         decode.wait_ready(1800)
-        return asyncio.run(complete(f"http://127.0.0.1:{port}", str(model), tokens))
+        return asyncio.run(complete(proxy_url, str(model), tokens))
     finally:
         proxy.kill()
         prefill.kill()
@@ -218,11 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-pd", action="store_true", help="leave out the P/D deployments (4 engine servers)")
     parser.add_argument("--slices-only", action="store_true",
                         help="only the head-slice fetches and part stores (no engine; seconds, not minutes)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--engine-job", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.engine_job:
-        print("ENGINE " + json.dumps(engine_main(json.loads(args.engine_job))), flush=True)
+    args = parse_or_serve_engine(parser, argv, engine_main)
+    if args is None:
         return 0
     from kvstore import KVStoreClient
     from kvstore.decode.engine import generate
@@ -235,20 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     spec = model.spec
     rank_heads(spec.num_kv_heads, args.tp, 0)  # refuses a degree vLLM would refuse, before any engine starts
     if args.slices_only:
-        with tempfile.TemporaryDirectory(prefix="vllm-tp-") as tmp:
-            sidecar, url = start_sidecar(Path(tmp) / "sidecar", "1GiB")
-            try:
-                slices = slice_fetches(url, spec, args.tokens, args.tp)
-                results = {"tp": args.tp, "tokens": args.tokens, "slices": slices}
-            finally:
-                sidecar.kill()
-                sidecar.wait(30)
+        with tempfile.TemporaryDirectory(prefix="vllm-tp-") as tmp, \
+                Sidecar(Path(tmp) / "sidecar", serve_args("1GiB")) as sidecar:
+            results = {"tp": args.tp, "tokens": args.tokens,
+                       "slices": slice_fetches(sidecar.url, spec, args.tokens, args.tp)}
         checks = judge_slices(results)
         print_slices(results, checks)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"results": results, "targets": TARGETS, "checks": checks}, indent=2))
-        return 0 if all(check["met"] for check in checks) else 1
+        write_json(args.json, {"results": results, "targets": TARGETS, "checks": checks})
+        return 0 if all(c["met"] for c in checks) else 1
     prompt = Prompts(str(directory), 0, True)
     a, b = (prompt(args.tokens, salt=s) for s in (1, 2))
     c, d, fault = (prompt(args.check_tokens, salt=s) for s in (3, 4, 5))
@@ -258,75 +235,65 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens}
     whole_pages = (args.tokens - 1) // 32 * 32  # vLLM loads whole blocks, the last prompt token recomputed
     with tempfile.TemporaryDirectory(prefix="vllm-tp-") as tmp, \
-            tqdm(total=7 if not args.skip_pd else 5, desc="vllm_tp", unit="step", file=sys.stderr) as bar:
-        root = Path(tmp)
-        sidecar, url = start_sidecar(root / "sidecar", "1GiB")
+            tqdm(total=7 if not args.skip_pd else 5, desc="vllm_tp", unit="step", file=sys.stderr) as bar, \
+            Sidecar(Path(tmp) / "sidecar", serve_args("1GiB")) as sidecar:
+        root, url = Path(tmp), sidecar.url
         extra = {"url": url, "timeout_s": 120}
-        try:
-            results["tp1_stores"] = run_engine(dict(base, tp=1, extra=extra, steps=[step("a", a)]))
+        results["tp1_stores"] = run_steps(dict(base, tp=1, extra=extra, steps=[step("a", a)]))
+        bar.update()
+        steps = [step("warmup", d, salt=UNSERVED_SALT, max_tokens=1),
+                 step("full", a, salt=UNSERVED_SALT, max_tokens=1)]
+        steps += [step("own_hit", a, salt=UNSERVED_SALT, max_tokens=1) for _ in range(args.repeats)]
+        steps += [step("store_hit", a, reset=True, max_tokens=1) for _ in range(args.repeats)]
+        steps += [step("a_hit_answer", a, reset=True), step("a_full_answer", a, salt=UNSERVED_SALT),
+                  step("b", b), step("fault", fault, salt=FAULT_SALT),
+                  # vLLM's own cache emptied: a hit here could only be the store's
+                  step("fault_again", fault, salt=FAULT_SALT, reset=True)]
+        results["tpn"] = run_steps(dict(base, tp=args.tp, extra=extra, steps=steps,
+                                         connector_module="bench.reliability.rank_fault_connector"))
+        bar.update()
+        with KVStoreClient(url, timeout_s=120) as client:
+            results["fault_lookup"] = client.lookup(directory.name, fault, salt=FAULT_SALT).matched_tokens
+            results["fault_partial_pages"] = client.stats()["partial_pages"]
+            results["b_lookup"] = client.lookup(directory.name, b).matched_tokens
+            results["tp1_loads"] = run_steps(dict(base, tp=1, extra=extra, steps=[
+                step("b_hit", b), step("b_full", b, salt=UNSERVED_SALT)]))
             bar.update()
-            steps = [step("warmup", d, salt=UNSERVED_SALT, max_tokens=1),
-                     step("full", a, salt=UNSERVED_SALT, max_tokens=1)]
-            steps += [step("own_hit", a, salt=UNSERVED_SALT, max_tokens=1) for _ in range(args.repeats)]
-            steps += [step("store_hit", a, reset=True, max_tokens=1) for _ in range(args.repeats)]
-            steps += [step("a_hit_answer", a, reset=True), step("a_full_answer", a, salt=UNSERVED_SALT),
-                      step("b", b), step("fault", fault, salt=FAULT_SALT),
-                      # vLLM's own cache emptied: a hit here could only be the store's
-                      step("fault_again", fault, salt=FAULT_SALT, reset=True)]
-            results["tpn"] = run_engine(dict(base, tp=args.tp, extra=extra, steps=steps,
-                                             connector_module="bench.reliability.rank_fault_connector"))
-            bar.update()
-            with KVStoreClient(url, timeout_s=120) as client:
-                results["fault_lookup"] = client.lookup(directory.name, fault, salt=FAULT_SALT).matched_tokens
-                results["fault_partial_pages"] = client.stats()["partial_pages"]
-                results["b_lookup"] = client.lookup(directory.name, b).matched_tokens
-                results["tp1_loads"] = run_engine(dict(base, tp=1, extra=extra, steps=[
-                    step("b_hit", b), step("b_full", b, salt=UNSERVED_SALT)]))
+            warm = generate(model, b, ANSWER_TOKENS, client, store=False, stop_token_ids=())
+            cold = generate(model, b, ANSWER_TOKENS, None, stop_token_ids=())
+            results["decode_loop"] = {"reused": warm.reused_tokens, "same": warm.tokens == cold.tokens,
+                                      "tokens": warm.tokens, "cold_tokens": cold.tokens}
+        bar.update()
+        if not args.skip_pd:
+            reference = run_steps(dict(base, tp=1, extra=None, steps=[step("c", c)]))["c"]["tokens"]
+            results["pd"] = {"reference": reference}
+            for producer, consumer in ((1, args.tp), (args.tp, 1)):
+                results["pd"][f"tp{producer}->tp{consumer}"] = disaggregated(
+                    directory, root, url, producer, consumer, c if producer == 1 else list(reversed(c)),
+                    max_model_len)
                 bar.update()
-                warm = generate(model, b, ANSWER_TOKENS, client, store=False, stop_token_ids=())
-                cold = generate(model, b, ANSWER_TOKENS, None, stop_token_ids=())
-                results["decode_loop"] = {"reused": warm.reused_tokens, "same": warm.tokens == cold.tokens,
-                                          "tokens": warm.tokens, "cold_tokens": cold.tokens}
-            bar.update()
-            if not args.skip_pd:
-                reference = run_engine(dict(base, tp=1, extra=None, steps=[step("c", c)]))["c"]["tokens"]
-                results["pd"] = {"reference": reference}
-                for producer, consumer in ((1, args.tp), (args.tp, 1)):
-                    results["pd"][f"tp{producer}->tp{consumer}"] = disaggregated(
-                        directory, root, url, producer, consumer, c if producer == 1 else list(reversed(c)),
-                        max_model_len)
-                    bar.update()
-                results["pd"]["reference_reversed"] = run_engine(dict(base, tp=1, extra=None, steps=[
-                    step("c", list(reversed(c)))]))["c"]["tokens"]
-            results["slices"] = slice_fetches(url, spec, args.tokens, args.tp)
-            bar.update()
-        finally:
-            sidecar.kill()
-            sidecar.wait(30)
+            results["pd"]["reference_reversed"] = run_steps(dict(base, tp=1, extra=None, steps=[
+                step("c", list(reversed(c)))]))["c"]["tokens"]
+        results["slices"] = slice_fetches(url, spec, args.tokens, args.tp)
+        bar.update()
     checks = judge(results, whole_pages)
     print_table(results, checks)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": results, "targets": TARGETS, "checks": checks}, indent=2))
-    return 0 if all(check["met"] for check in checks) else 1
+    write_json(args.json, {"results": results, "targets": TARGETS, "checks": checks})
+    return 0 if all(c["met"] for c in checks) else 1
 
 
 def judge(results: dict[str, Any], whole_pages: int) -> list[dict[str, Any]]:
-    tpn, tp1 = results["tpn"], results["tp1_loads"]
+    tpn, tp1, share, n = results["tpn"], results["tp1_loads"], TARGETS["cross_hit_share_of_pages"], results["tp"]
+    fault_served = results["fault_lookup"] + tpn["fault_again"]["cached"]
     checks = [
-        {"check": "TP=n loads TP=1's pages: share of the whole pages",
-         "value": tpn["store_hit"]["cached"] / whole_pages,
-         "limit": TARGETS["cross_hit_share_of_pages"], "met": tpn["store_hit"]["cached"] == whole_pages},
-        {"check": "TP=1 loads TP=n's pages: share of the whole pages", "value": tp1["b_hit"]["cached"] / whole_pages,
-         "limit": TARGETS["cross_hit_share_of_pages"], "met": tp1["b_hit"]["cached"] == whole_pages},
-        {"check": "pages of the failed rank's prompt served", "value": results["fault_lookup"]
-         + tpn["fault_again"]["cached"], "limit": 0,
-         "met": results["fault_lookup"] == 0 and tpn["fault_again"]["cached"] == 0},
-        {"check": "TP=n store hit / full prefill (TTFT)", "value": tpn["store_hit"]["seconds"] / tpn["full"]["seconds"],
-         "limit": TARGETS["hit_over_full_prefill"],
-         "met": tpn["store_hit"]["seconds"] <= TARGETS["hit_over_full_prefill"] * tpn["full"]["seconds"]},
-    ]
-    checks += judge_slices(results)
+        check("TP=n loads TP=1's pages: share of the whole pages", tpn["store_hit"]["cached"] / whole_pages, share,
+              tpn["store_hit"]["cached"] == whole_pages),
+        check("TP=1 loads TP=n's pages: share of the whole pages", tp1["b_hit"]["cached"] / whole_pages, share,
+              tp1["b_hit"]["cached"] == whole_pages),
+        check("pages of the failed rank's prompt served", fault_served, 0),
+        check("TP=n store hit / full prefill (TTFT)", tpn["store_hit"]["seconds"] / tpn["full"]["seconds"],
+              TARGETS["hit_over_full_prefill"]),
+        *judge_slices(results)]
     same = [("TP=n: store hit's answer == its full prefill's",
              tpn["a_hit_answer"]["tokens"] == tpn["a_full_answer"]["tokens"]),
             ("TP=n: the failed rank's prompt, recomputed, answers the same", tpn["fault"]["tokens"]
@@ -335,20 +302,15 @@ def judge(results: dict[str, Any], whole_pages: int) -> list[dict[str, Any]]:
             ("decode loop: from TP=n's pages == without the store", results["decode_loop"]["same"])]
     if "pd" in results:
         pd = results["pd"]
-        n = results["tp"]
         same += [(f"P/D TP=1 -> TP={n} == one engine", pd[f"tp1->tp{n}"] == pd["reference"]),
                  (f"P/D TP={n} -> TP=1 == one engine", pd[f"tp{n}->tp1"] == pd["reference_reversed"])]
-    checks += [{"check": name, "value": ok, "limit": True, "met": bool(ok)} for name, ok in same]
-    return checks
+    return checks + [check(name, bool(ok), True, bool(ok)) for name, ok in same]
 
 
 def judge_slices(results: dict[str, Any]) -> list[dict[str, Any]]:
-    checks = []
-    for transport in ("inproc", "shm", "tcp"):
-        ratio = results["slices"][f"{transport}_slice_s"] / results["slices"][f"{transport}_whole_s"]
-        checks.append({"check": f"1/{results['tp']} head slice / whole pages fetch ({transport})", "value": ratio,
-                       "limit": TARGETS["slice_over_whole_fetch"], "met": ratio <= TARGETS["slice_over_whole_fetch"]})
-    return checks
+    return [check(f"1/{results['tp']} head slice / whole pages fetch ({transport})",
+                  results["slices"][f"{transport}_slice_s"] / results["slices"][f"{transport}_whole_s"],
+                  TARGETS["slice_over_whole_fetch"]) for transport in ("inproc", "shm", "tcp")]
 
 
 def print_slices(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
@@ -360,9 +322,7 @@ def print_slices(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
     print(f"store of the whole pages / as {n} head parts: shared memory {1e3 * s['shm_store_whole_s']:.1f} / "
           f"{1e3 * s['shm_store_parts_s']:.1f} ms, TCP {1e3 * s['tcp_store_whole_s']:.1f} / "
           f"{1e3 * s['tcp_store_parts_s']:.1f} ms")
-    for check in checks:
-        print(f"  {check['check']}: {check['value']:.3f} (limit {check['limit']}) -> "
-              f"{'met' if check['met'] else 'NOT met'}")
+    print_checks(checks)
 
 
 def print_table(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
@@ -376,9 +336,7 @@ def print_table(results: dict[str, Any], checks: list[dict[str, Any]]) -> None:
     print_slices(results, [])
     print(f"the failed rank's prompt: {results['fault_partial_pages']['pages']} pages waiting for their other "
           f"parts, {results['fault_lookup']} tokens served")
-    for check in checks:
-        value = check["value"] if isinstance(check["value"], bool) else f"{check['value']:.3f}"
-        print(f"  {check['check']}: {value} (limit {check['limit']}) -> {'met' if check['met'] else 'NOT met'}")
+    print_checks(checks)
 
 
 if __name__ == "__main__":

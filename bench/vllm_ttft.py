@@ -54,11 +54,6 @@ nothing to hit, the connector's own work (its timers) <= 3% of a prefill's TTFT 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,88 +62,19 @@ from typing import Any
 
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-REAL_MODEL = "smollm2"
-RANDOM_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-BLOCK = 32
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.engines import REAL_MODEL, RANDOM_MODEL, Sidecar, checkpoint, kv_bytes_per_token, make_engine, \
+    model_facts, parse_or_serve_engine, run_engine, serve_args  # noqa: E402
+from bench.prompts import Prompts  # noqa: E402
+from bench.report import write_json  # noqa: E402
+
 TARGETS = {"hit_vs_own_hit": 1.2, "hit_vs_full_from_2k": 0.25, "tcp_hit_vs_own_hit_2k": 2.0,
            "miss_work_share_of_prefill": 0.03, "hooks_share_of_decode_step": 0.01,
            "audited_hit_vs_hit_2k": 1.15}
 MEMORY_HITS = ("kvstore hit: in-process CPU tier", "kvstore hit: sidecar, shared memory")
 
 
-def write_random_model(directory: Path, dtype: str) -> Path:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**RANDOM_MODEL, max_position_embeddings=16384, rms_norm_eps=1e-6,
-                                      rope_theta=500000.0, initializer_range=0.02, dtype=dtype)
-    transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(directory)
-    return directory
-
-
-def model_facts(directory: Path) -> dict[str, Any]:
-    """What the engines and the sizes depend on, from the checkpoint's config."""
-    config = json.loads((directory / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return dict(layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
-                kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim, vocab=config["vocab_size"],
-                context=config["max_position_embeddings"], has_tokenizer=(directory / "tokenizer.json").exists())
-
-
-def kv_bytes_per_token(facts: dict[str, Any], dtype: str) -> int:
-    return facts["layers"] * 2 * facts["kv_heads"] * facts["head_dim"] * {"float32": 4}.get(dtype, 2)
-
-
-class Prompts:
-    """One prompt per (size, salt), the same in every engine process. With a tokenizer: sections of
-    Python's documentation, from a section that depends on both, under a header naming both (so
-    no two prompts share a first page), tokenized and cut to `size`. Without: random ids."""
-
-    def __init__(self, directory: str, vocab_size: int, has_tokenizer: bool):
-        self.vocab_size, self.tokenizer = vocab_size, None
-        if has_tokenizer:
-            import pydoc_data.topics
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(directory)
-            self.sections = [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
-
-    def __call__(self, size: int, salt: int = 0) -> list[int]:
-        if self.tokenizer is None:
-            rng = random.Random(size * 1000 + salt)
-            return [rng.randrange(3, self.vocab_size) for _ in range(size)]
-        first = (size + 7 * salt) % len(self.sections)
-        text = f"Python documentation, part {salt} of a {size}-token prompt.\n\n" + "\n\n".join(
-            self.sections[first:] + self.sections[:first])
-        tokens = list(self.tokenizer(text)["input_ids"])
-        if len(tokens) < size:
-            raise ValueError(f"--sizes: the documentation holds {len(tokens)} tokens, fewer than {size}")
-        return tokens[:size]
-
-
 # -- one engine, in its own process -------------------------------------------------------------
-
-def make_engine(job: dict[str, Any], **engine: Any) -> Any:
-    """vLLM's `LLM` for a job: its model, context and KV cache size, and the connector with
-    `job["extra"]` as its kv_connector_extra_config (None: no connector), from
-    `job["connector_module"]` (default kvstore.integrations.vllm)."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kwargs: dict[str, Any] = dict(skip_tokenizer_init=True, block_size=BLOCK, enforce_eager=True,
-                                  max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_bytes"],
-                                  **engine)
-    if job["extra"] is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_role="kv_both",
-            kv_connector_module_path=job.get("connector_module", "kvstore.integrations.vllm"),
-            kv_connector_extra_config=job["extra"])
-    return LLM(job["model"], **kwargs)
-
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
@@ -264,55 +190,6 @@ class HookTimers:
         return spent
 
 
-def parse_or_serve_engine(parser: argparse.ArgumentParser, argv: list[str] | None,
-                          engine_main: Any) -> argparse.Namespace | None:
-    """The run's arguments (with `--json`), or None after serving `--engine-job`: the process
-    `run_engine` starts, which prints its engine's results on an `ENGINE ` line."""
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--engine-job", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.engine_job:
-        print("ENGINE " + json.dumps(engine_main(json.loads(args.engine_job))), flush=True)
-        return None
-    return args
-
-
-def run_engine(job: dict[str, Any], script: str = __file__) -> dict[str, Any]:
-    """`script --engine-job JOB` in a fresh process (one engine, scheduler and worker in it): the
-    object its `ENGINE ` line prints."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    done = subprocess.run([sys.executable, script, "--engine-job", json.dumps(job)], capture_output=True, text=True,
-                          env=env, timeout=3600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"engine {job.get('plan', '')} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("ENGINE "):])
-
-
-# -- the sidecar ------------------------------------------------------------------------------
-
-def start_sidecar(data_dir: Path, cpu_bytes: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--data-dir",
-                             str(data_dir), "--cpu-bytes", cpu_bytes, "--disk-bytes", "0", "--log-level", "warning"])
-    url = f"http://127.0.0.1:{port}"
-    from kvstore import KVStoreClient
-
-    deadline = time.monotonic() + 60
-    with KVStoreClient(url, timeout_s=2) as client:
-        while True:
-            try:
-                if client.healthz():
-                    return proc, url
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    proc.kill()
-                    raise
-            time.sleep(0.2)
-
-
 # -- the run ----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,12 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp:
         root = Path(tmp)
         with tqdm(total=6 + (args.audit_rate > 0), desc="vllm_ttft", unit="step", file=sys.stderr) as bar:
-            if args.random_model:
-                directory = write_random_model(root / "model", args.dtype)
-            else:
-                from kvstore.decode.model_pull import pull
-
-                directory = pull(REAL_MODEL)
+            directory = checkpoint(args.random_model, root / "model", args.dtype)
             facts = model_facts(directory)
             # A prompt and its first token within the model's context: vLLM refuses a prompt as
             # long as max_model_len.
@@ -363,28 +235,26 @@ def main(argv: list[str] | None = None) -> int:
                         max_model_len=max_model_len, kv_cache_bytes=max(1 << 30, 3 * per_token * max_model_len))
             bar.update()
             results: dict[str, Any] = {}
-            results["baseline"] = run_engine(dict(base, extra=None, plan="baseline", decode_tokens=args.decode_tokens))
+            results["baseline"] = run_engine(dict(base, extra=None, plan="baseline", decode_tokens=args.decode_tokens),
+                                             __file__)
             bar.update()
             results["inproc"] = run_engine(dict(base, extra=store, plan="fill_and_hit",
-                                                decode_tokens=args.decode_tokens))
+                                                decode_tokens=args.decode_tokens), __file__)
             bar.update()
-            results["disk"] = run_engine(dict(base, extra=store, plan="hit"))
+            results["disk"] = run_engine(dict(base, extra=store, plan="hit"), __file__)
             bar.update()
             if args.audit_rate > 0:
                 audited = dict(store, data_dir=str(root / "store-audit"), audit_rate=args.audit_rate)
-                results["audit"] = run_engine(dict(base, extra=audited, plan="fill_and_hit"))
+                results["audit"] = run_engine(dict(base, extra=audited, plan="fill_and_hit"), __file__)
                 bar.update()
-            sidecar, url = start_sidecar(root / "sidecar", store_bytes)
-            try:
+            with Sidecar(root / "sidecar", serve_args(store_bytes)) as sidecar:
+                url = sidecar.url
                 shm = {"url": url, "shared_memory_bytes": arena_bytes, **patience}
-                results["shm"] = run_engine(dict(base, extra=shm, plan="fill_and_hit"))
+                results["shm"] = run_engine(dict(base, extra=shm, plan="fill_and_hit"), __file__)
                 bar.update()
                 results["tcp"] = run_engine(dict(base, extra={"url": url, "shared_memory_bytes": 0, **patience},
-                                                 plan="hit_repeat"))
+                                                 plan="hit_repeat"), __file__)
                 bar.update()
-            finally:
-                sidecar.kill()
-                sidecar.wait(30)
     table = summarize(results, sizes)
     name = "random-weight Llama, random token ids" if args.random_model else f"{REAL_MODEL}, documentation text"
     print(f"model: {name} ({facts['layers']} layers, hidden {facts['hidden']}, {facts['heads']} query heads over "
@@ -394,11 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     for check in checks:
         print(f"target {check['target']} <= {check['limit']}: "
               f"{' '.join(f'{v:.3f}' for v in check['values'])} -> {'met' if check['met'] else 'NOT met'}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        model = dict(RANDOM_MODEL, name="random") if args.random_model else dict(facts, name=REAL_MODEL)
-        args.json.write_text(json.dumps({"model": dict(model, dtype=args.dtype), "sizes": sizes, "raw": results,
-                                         "table": table, "targets": TARGETS, "checks": checks}, indent=2))
+    model = dict(RANDOM_MODEL, name="random") if args.random_model else dict(facts, name=REAL_MODEL)
+    write_json(args.json, {"model": dict(model, dtype=args.dtype), "sizes": sizes, "raw": results, "table": table,
+                           "targets": TARGETS, "checks": checks})
     return 0
 
 

@@ -55,6 +55,7 @@ import kvstore  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
 from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes, settle_collector,  # noqa: E402
                        start_sidecar)
+from bench.report import write_json  # noqa: E402
 
 SIZES = ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 16))  # (spec, value bytes, prestored values)
 TIER_BYTES = 64 * MIB
@@ -316,7 +317,7 @@ def run_all(quick: bool, paths: set[str], serve_args: tuple[str, ...] = ()) -> d
         tokens = TokenSource()
         todo: list[tuple[str, Callable[[], dict]]] = []
         closers: list[Any] = []
-        procs: list[subprocess.Popen] = []
+        procs: list[Any] = []
         try:
             for spec, nbytes, count in SIZES:
                 n_tokens = nbytes // spec.bytes_per_token
@@ -379,9 +380,10 @@ def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers,
 
     # One sidecar per value size: a CPU tier's freed slots serve only pages of their own size.
     prefix = str(tmp / f"profile-{nbytes}")
-    proc, url, _ = start_sidecar(tmp / f"sidecar-{nbytes}", TIER_BYTES, launch=LAUNCH_PROFILED, extra_args=(prefix,),
-                                 serve_args=serve_args)
-    procs.append(proc)
+    sidecar = start_sidecar(tmp / f"sidecar-{nbytes}", TIER_BYTES, launch=LAUNCH_PROFILED, extra_args=(prefix,),
+                            serve_args=serve_args)
+    procs.append(sidecar)
+    proc, url = sidecar.proc, sidecar.url
     counter = [0]
     admin = KVStoreClient(url)
     closers.append(admin)
@@ -505,8 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, run in runs:
         print(f"{label}: kvstore from {run['kvstore']}")
     print(tables(runs))
-    if args.json:
-        Path(args.json).write_text(json.dumps({label: run for label, run in runs}, indent=1))
+    write_json(args.json, {label: run for label, run in runs})
     return 0
 
 

@@ -29,7 +29,7 @@ import torch
 from bench.reliability.history import (DROP, ERROR, FETCH, FULL, LOOKUP, LOST, NOT_FOUND, STORE, History, OpLog,
                                        check_counters, check_history)
 from bench.reliability.pages import SPEC, expected_kv
-from bench.reliability.sidecar import Sidecar
+from bench.engines import Sidecar
 from kvstore import KVStore, StoreConfig
 from kvstore.api.client import KVStoreClient
 from kvstore.errors import BackendUnavailable, InsufficientStorage, ModelNotFound

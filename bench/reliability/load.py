@@ -22,7 +22,7 @@ import torch
 
 from kvstore.api.client import KVStoreClient
 from bench.reliability.pages import expected_kv
-from bench.reliability.sidecar import Sidecar
+from bench.engines import Sidecar
 from kvstore import ModelSpec
 from kvstore.errors import BackendUnavailable, KVStoreError
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.vllm_server import free_port
+from bench.engines import free_port
 from kvstore import KVStoreClient
 
 __all__ = ["Sidecar", "free_port"]

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (without CUDA, make in
 
 import pydoc_data.topics  # noqa: E402
 
-from bench.vllm_server import BLOCK, EngineServer  # noqa: E402
+from bench.engines import BLOCK, EngineServer  # noqa: E402
 from integrations.sidecar_process import Sidecar, free_port  # noqa: E402
 from kvstore.decode.model_pull import pull  # noqa: E402
 

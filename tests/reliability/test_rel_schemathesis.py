@@ -8,7 +8,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from bench.reliability.sidecar import Sidecar
+from bench.engines import Sidecar
 
 pytestmark = pytest.mark.heavy  # over a thousand requests, one test
 

@@ -9,7 +9,7 @@ import torch
 
 from kvstore.api.client import KVStoreClient
 from bench.reliability.pages import SPEC, expected_kv
-from bench.reliability.sidecar import Sidecar
+from bench.engines import Sidecar
 from kvstore.errors import ModelNotFound, Unauthorized
 
 
