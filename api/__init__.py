@@ -2,7 +2,7 @@
 
     from kvstore.api import create_app, KVStoreClient, AsyncKVStoreClient
 
-Imports are lazy so that `kvstore.api.config` and `kvstore.api.client` load without the server's dependencies.
+Imports are lazy so that `kvstore.api.server.config` and `kvstore.api.client` load without the server's dependencies.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ __all__ = ["create_app", "ServerConfig", "KVStoreClient", "AsyncKVStoreClient"]
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from kvstore.api.app import create_app
+        from kvstore.api.admin.app import create_app
 
         return create_app
     if name == "ServerConfig":
-        from kvstore.api.config import ServerConfig
+        from kvstore.api.server.config import ServerConfig
 
         return ServerConfig
     if name in ("KVStoreClient", "AsyncKVStoreClient"):

@@ -7,7 +7,7 @@ Starts `kvstore serve` (CPU tier only, so both sides are in-memory) and `redis-s
 Redis column is skipped, with a note, when none is installed) on free loopback ports. For each
 value size (64 KiB, 2 MiB) and client count (1, 8 threads, one connection each): store/SET and
 fetch/GET throughput (MB/s, 10^6 bytes) and p50/p99 latency, for the client's two transports:
-`shm` (its default on loopback: KV through shared memory, api/client_arena.py) and `tcp` (KV
+`shm` (its default on loopback: KV through shared memory, api/client/arena.py) and `tcp` (KV
 in the HTTP bodies, as for a sidecar on another host). Also measures the raw loopback
 TCP throughput of the machine: the ceiling for both.
 

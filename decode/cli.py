@@ -166,7 +166,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         url = args.server
         if url is None:
-            from kvstore.decode.sidecar import InProcessSidecar
+            from kvstore.api.server.in_process import InProcessSidecar
             from kvstore.config import StoreConfig
 
             url = stack.enter_context(InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=256 << 20, disk_bytes=0)))

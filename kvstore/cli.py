@@ -72,7 +72,7 @@ def _converter(name: str, hint: Any) -> tuple[Callable[[str], Any], bool]:
 
 
 def _config_classes() -> list[type]:
-    from kvstore.api.config import ServerConfig  # a plain dataclass: no aiohttp import
+    from kvstore.api.server.config import ServerConfig  # a plain dataclass: no aiohttp import
 
     return [StoreConfig, ServerConfig]
 
@@ -159,13 +159,13 @@ def _run_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     except ValueError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
-    from kvstore.api.server import serve
+    from kvstore.api.server.serve import serve
 
     return serve(store_config, server_config)
 
 
 def _run_proxy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from kvstore.api.proxy import ProxyConfig, run_proxy
+    from kvstore.api.proxy.prefill_decode import ProxyConfig, run_proxy
 
     try:
         config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,

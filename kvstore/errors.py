@@ -121,7 +121,7 @@ class BackendUnavailable(KVStoreError):
 
 
 class StoreBusy(Exception):
-    """Raised only inside `unless_busy` (api/loop_store.py): the call would have to wait for another thread
+    """Raised only inside `unless_busy` (api/server/loop_store.py): the call would have to wait for another thread
     (a store met pages another store is still writing). Nothing was done; the caller runs the
     call again where it may wait (the sidecar: on a pool thread). Not a `KVStoreError`: it never
     reaches a client."""

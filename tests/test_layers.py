@@ -10,15 +10,25 @@ function, except where a rule names its exception.
   kvstore.api or kvstore.decode: an embedder gets the store, and its KV events, without the sidecar or the
   decode loop. The one exception is the
   package's lazy public names (`from kvstore import KVStoreClient`, inside `__getattr__`).
-- Only the CLI (kvstore/cli.py) imports the server, the client and the decode loop together.
+- Only the CLIs (kvstore/cli.py, and decode/cli.py, whose `demo` serves a store in-process to
+  the decode loop's client) import the server, the client and the decode loop together.
 - The index, keys and policies import no torch, lmdb or aiohttp; no installed package imports
   bench/ or tests/ (neither is installed).
-- The data plane (api/fast_path.py, the HTTP/1.1 server that reads every connection, and
-  api/handlers.py, the data routes' handlers) loads no aiohttp, directly or through what it
-  imports: a data request never meets aiohttp's request machinery, which serves the admin routes.
+- The data plane (api/server/fast_path.py, connection.py and answering.py, the HTTP/1.1 server
+  that reads every connection and answers it, and api/server/handlers.py, the data routes'
+  handlers) loads no aiohttp, directly or through what it imports: a data request never meets
+  aiohttp's request machinery, which serves the admin routes.
 - `KVStore`'s public methods are the embedder's (docs/design.md §7.1): the sidecar's event-loop
-  plumbing lives in the api's adapter (api/loop_store.py), the one file of api/ and decode/ that
-  reaches into the store's internals.
+  plumbing lives in the api's adapter (api/server/loop_store.py), the one file of api/ and
+  decode/ that reaches into the store's internals.
+- api/ is split by role (docs/design.md §1): the client (api/client/) loads no module of the
+  server (api/server/, api/admin/) or the proxy, directly or through what it imports; the
+  server and the admin app import no client module; what both sides share (api/protocol.py, the
+  contract, and api/framing.py with api/nesting.py, how bodies are framed) imports neither; a
+  module directly in api/ is one of those shared ones. In api/server/, only serve.py (which
+  serves it) imports the admin app.
+- The integrations (kvstore/integrations/) import no kvstore.decode: the connector serves its
+  store through the server's `InProcessSidecar`, not through the decode loop.
 
 `make lint` runs this file before the test suite.
 """
@@ -36,14 +46,17 @@ REPO = Path(__file__).resolve().parents[1]
 # Each installed package and the repository folder it comes from (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"kvstore": "kvstore", "kvstore.api": "api", "kvstore.tiers": "tiers", "kvstore.gpu": "gpu",
                 "kvstore.decode": "decode"}
-CLI = "kvstore/cli.py"
+CLIS = ("kvstore/cli.py", "decode/cli.py")
 # The store and its parts (docs/design.md §1), the tier stack, placement, the policies.
 STORE_SIDE = re.compile(r"^kvstore\.(store(_\w+)?|page_writes|fetch_plan|shared_probe|blend|tier_stack|placement"
                         r"|polic(y|ies)(_\w+)?|shadow)$")
 LIGHT = ("kvstore/index.py", "kvstore/keys.py", "kvstore/shadow.py",
          *sorted(str(p.relative_to(REPO)) for p in (REPO / "kvstore" / "policies").glob("*.py")))
-SERVER = re.compile(r"^kvstore\.api\.(server|app|create_app)$")
-CLIENT = re.compile(r"^kvstore\.(api\.client|(api\.)?(Async)?KVStoreClient)$")
+SERVER = re.compile(r"^kvstore\.api\.((server|admin)(\.\w+)*|create_app|ServerConfig)$")
+CLIENT = re.compile(r"^kvstore\.(api\.client(\.\w+)*|(api\.)?(Async)?KVStoreClient)$")
+PROXY = re.compile(r"^kvstore\.api\.proxy(\.\w+)*$")
+# What the client and the server share: the contract, and how bodies are framed.
+SHARED = ("api/protocol.py", "api/framing.py", "api/nesting.py")
 DECODE = re.compile(r"^kvstore\.decode(\.\w+)?$")
 
 
@@ -131,7 +144,7 @@ def _public_name(imp: Import) -> bool:
 def test_the_core_imports_no_aiohttp_api_or_decode() -> None:
     core = [p for p in sorted([*(REPO / "kvstore").glob("*.py"), *(REPO / "kvstore" / "policies").glob("*.py"),
                                *(REPO / "kvstore" / "kv_events").glob("*.py")])
-            if str(p.relative_to(REPO)) != CLI]
+            if str(p.relative_to(REPO)) not in CLIS]
     found = violations(core, _core_forbidden, _public_name)
     assert not found, "kvstore's core must not import aiohttp, kvstore.api or kvstore.decode:\n" + "\n".join(found)
 
@@ -143,9 +156,9 @@ def test_only_the_cli_imports_server_client_and_decode_together() -> None:
         touched = {imp.module for imp in imports_of(path)} | {module_name(path)}
         sides = {side for side, rule in (("server", SERVER), ("client", CLIENT), ("decode", DECODE))
                  if any(rule.match(m) for m in touched)}
-        if len(sides) == 3 and rel != CLI:
+        if len(sides) == 3 and rel not in CLIS:
             found.append(f"{rel} imports the server, the client and the decode loop")
-    assert not found, "only kvstore/cli.py wires the server, client and decode together:\n" + "\n".join(found)
+    assert not found, "only the CLIs wire the server, client and decode together:\n" + "\n".join(found)
 
 
 def test_the_index_keys_and_policies_import_no_torch_lmdb_or_aiohttp() -> None:
@@ -163,7 +176,7 @@ LOOP_PLUMBING = frozenset({"unless_busy", "plan_fetch", "fetch_in_memory", "stor
                            "register_model_created", "catch_up_unless_busy"})
 STORE_INTERNALS = frozenset({"_state", "_lock", "_index", "_registry", "_tiers", "_placement", "_plan_fetch",
                              "_register_model", "_model", "_fetch"})
-LOOP_STORE = "api/loop_store.py"
+LOOP_STORE = "api/server/loop_store.py"
 
 
 def test_kvstore_keeps_the_event_loops_plumbing_out_of_its_public_surface() -> None:
@@ -191,7 +204,8 @@ def test_only_the_loop_store_adapter_reaches_into_the_store() -> None:
 # The data plane: the HTTP/1.1 server that reads every connection and the data routes' handlers
 # (docs/design.md §7.2). Nothing it loads may import aiohttp, so no data request can reach
 # aiohttp's request machinery: aiohttp serves the admin routes only.
-DATA_PLANE = ("api/fast_path.py", "api/handlers.py")
+DATA_PLANE = ("api/server/fast_path.py", "api/server/connection.py", "api/server/answering.py",
+              "api/server/handlers.py")
 
 
 def module_path(module: str) -> Path | None:
@@ -226,11 +240,62 @@ def loaded_by(roots: list[Path]) -> dict[Path, list[Import]]:
 
 def test_the_data_plane_loads_no_aiohttp() -> None:
     loaded = loaded_by([REPO / p for p in DATA_PLANE])
-    assert REPO / "api" / "wire.py" in loaded and REPO / "kvstore" / "fetch_plan.py" in loaded  # it follows imports
+    # It follows imports:
+    assert REPO / "api" / "server" / "wire.py" in loaded and REPO / "kvstore" / "fetch_plan.py" in loaded
     found = [f"{imp.path}:{imp.line} imports {imp.module}" for imports in loaded.values() for imp in imports
              if imp.module.split(".")[0] == "aiohttp"]
     assert not found, ("the data plane (" + ", ".join(DATA_PLANE) + ") must not load aiohttp, directly or "
                        "through what it imports:\n" + "\n".join(sorted(set(found))))
+
+
+def _server_or_proxy(module: str) -> bool:
+    return bool(SERVER.match(module) or PROXY.match(module))
+
+
+def test_the_client_loads_no_server_admin_or_proxy_module() -> None:
+    loaded = loaded_by(sources("api/client"))
+    assert REPO / "api" / "protocol.py" in loaded and REPO / "api" / "framing.py" in loaded  # it follows imports
+    found = [f"{imp.path}:{imp.line} imports {imp.module}" for imports in loaded.values() for imp in imports
+             if _server_or_proxy(imp.module)]
+    found += violations(sources("api/client"), _server_or_proxy)  # imports inside functions too
+    assert not found, ("the client (api/client/) must load no module of the server, the admin app or the "
+                       "proxy, directly or through what it imports:\n" + "\n".join(sorted(set(found))))
+
+
+def test_the_server_and_admin_import_no_client_module() -> None:
+    found = violations(sources("api/server", "api/admin"), lambda m: bool(CLIENT.match(m)))
+    assert not found, "api/server/ and api/admin/ must not import the client:\n" + "\n".join(found)
+
+
+def test_only_serve_brings_the_admin_app_into_the_server() -> None:
+    # serve.py serves the aiohttp app around the data plane; nothing else of api/server/ needs it.
+    paths = [p for p in sources("api/server") if p.name != "serve.py"]
+    found = violations(paths, lambda m: m.startswith("kvstore.api.admin"))
+    assert not found, "only api/server/serve.py imports api/admin/:\n" + "\n".join(found)
+
+
+def test_the_proxy_imports_neither_the_server_nor_the_client() -> None:
+    found = violations(sources("api/proxy"), lambda m: bool(SERVER.match(m) or CLIENT.match(m)))
+    assert not found, "the proxy (api/proxy/) is a client of engines only:\n" + "\n".join(found)
+
+
+def test_what_client_and_server_share_imports_neither() -> None:
+    found = violations([REPO / p for p in SHARED],
+                       lambda m: bool(SERVER.match(m) or CLIENT.match(m) or PROXY.match(m)))
+    assert not found, "the shared modules (" + ", ".join(SHARED) + ") import neither side:\n" + "\n".join(found)
+
+
+def test_every_module_of_api_has_a_role() -> None:
+    # A module directly in api/ is shared by both sides; everything else lives in its role's package.
+    loose = sorted(str(p.relative_to(REPO)) for p in (REPO / "api").glob("*.py")
+                   if p.name != "__init__.py" and str(p.relative_to(REPO)) not in SHARED)
+    assert not loose, f"modules directly in api/ are the shared ones ({', '.join(SHARED)}); move these into " \
+                      f"api/server/, api/admin/, api/client/ or api/proxy/: {loose}"
+
+
+def test_the_integrations_import_no_decode_loop() -> None:
+    found = violations(sources("kvstore/integrations"), lambda m: bool(DECODE.match(m)))
+    assert not found, "kvstore/integrations/ must not import kvstore.decode:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("source, path, forbidden, expected", [

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvstore.api.framing import unpack_map  # noqa: E402
 from kvstore.api.nesting import json_too_deep  # noqa: E402
-from kvstore.api.wire import MAX_BODY_DEPTH, decode_json, decode_msgpack  # noqa: E402
+from kvstore.api.server.wire import MAX_BODY_DEPTH, decode_json, decode_msgpack  # noqa: E402
 
 
 def _best_us(fn, number: int) -> float:

@@ -17,7 +17,7 @@ harness's launcher, not in the sidecar's code. Only the event loop's thread is p
 case here is answered on the loop (memory tiers, below `inline_copy_bytes`). On uvloop, the
 loop's own work and its transports' writes are C that cProfile does not see: a write's time (the
 send, which on a 2-core host also wakes the client) lands in the Python function that called it
-(the data plane's `data_received`, api/fast_path.py), the loop's in "between the processes";
+(the data plane's `data_received`, api/server/connection.py), the loop's in "between the processes";
 `--serve-arg=--event-loop=asyncio` profiles the same app on asyncio's loop, where both are
 Python and socket calls. Per call, the
 client's own time (without waiting for the answer), the sidecar's busy time (without its idle
@@ -126,11 +126,11 @@ FILE_RULES = [
     ("numpy/", "tensor and result objects"),
     ("tiers/disk", "disk tier"),
     ("api/client", "client code"),
-    ("api/http1.py", "client code"),
-    ("api/shared_memory.py", "shared memory"),
+    ("api/client/http1.py", "client code"),
+    ("api/server/shared_memory.py", "shared memory"),
     ("api/framing.py", "msgpack framing"),
-    ("api/wire.py", "request decoding and checks"),
-    ("api/fast_path.py", "HTTP parsing and dispatch"),
+    ("api/server/wire.py", "request decoding and checks"),
+    ("api/server/connection.py", "HTTP parsing and dispatch"),
     ("api/", "HTTP parsing and dispatch"),  # handlers, middleware, the rest of the app
     ("aiohttp/", "HTTP parsing and dispatch"),
     ("multidict", "HTTP parsing and dispatch"),
@@ -251,9 +251,9 @@ def top(stats: dict, calls: int, n: int = 15) -> list[list]:
 
 def after_answer_s(stats: dict) -> float:
     """Seconds in the sidecar's catch-up (the policy learning after an answer is written,
-    api/catch_up.py), which runs while the client reads its answer: off the call's critical path."""
+    api/server/catch_up.py), which runs while the client reads its answer: off the call's critical path."""
     return sum(v[3] for (f, _, name), v in stats.items()
-               if f.replace(os.sep, "/").endswith("api/catch_up.py") and name == "_run")
+               if f.replace(os.sep, "/").endswith("api/server/catch_up.py") and name == "_run")
 
 
 def in_process_case(fn: Callable[[int], Any], calls: int, warm: int) -> dict[str, Any]:

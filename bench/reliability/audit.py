@@ -236,7 +236,7 @@ def run_clean(dtype: str, hits: int, *, path: str = "in-process", documents: int
     with ExitStack() as stack:
         if path == "sidecar":
             from kvstore.api.client import KVStoreClient
-            from kvstore.decode.sidecar import InProcessSidecar
+            from kvstore.api.server.in_process import InProcessSidecar
 
             url = stack.enter_context(InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=256 << 20,
                                                                    disk_bytes=0)))

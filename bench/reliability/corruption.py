@@ -32,7 +32,7 @@ import torch
 
 from bench.reliability.pages import SPEC, expected_kv
 from kvstore import KVStore, StoreConfig
-from kvstore.api.metrics import Metrics
+from kvstore.api.server.metrics import Metrics
 
 PAGE_BYTES = 4096  # LMDB's page size on Linux x86-64 and aarch64 (4 KiB OS pages)
 P_BRANCH, P_LEAF = 0x01, 0x02

@@ -123,7 +123,7 @@ def run_vllm_audit(dtype: str, path: str, clean_hits: int, *, faults: tuple[str,
         config = StoreConfig(data_dir=None, cpu_bytes=256 << 20, disk_bytes=0)
         if path == "sidecar":
             from kvstore.api.client import KVStoreClient
-            from kvstore.decode.sidecar import InProcessSidecar
+            from kvstore.api.server.in_process import InProcessSidecar
 
             sidecar = InProcessSidecar(config)
             url = stack.enter_context(sidecar)

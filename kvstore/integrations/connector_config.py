@@ -11,7 +11,7 @@ in-process keys are `StoreConfig`'s fields, with the names and units of `kvstore
 like "1GiB").
 An unknown key, or a sidecar key mixed with store keys, is an error that names it.
 
-Tenancy and salts: a sidecar takes the tenant from the bearer token (api/auth.py): `token` for
+Tenancy and salts: a sidecar takes the tenant from the bearer token (api/server/auth.py): `token` for
 every request, or the token `tokens` names for a request's `cache_salt` (a salt that should
 count against a tenant of its own). In-process there is one tenant, the default. Within its
 tenant, a request's `cache_salt` is the store's salt: a salted request hits only what requests

@@ -19,7 +19,7 @@ routes vLLM's calls to them and decides where the store is:
   executor that keeps the worker with the scheduler): both use this process's `KVStore`.
 - in-process, worker in its own process (vLLM's CPU backend always does this when
   multiprocessing is on): the scheduler side opens the store and serves it to its worker on a
-  loopback port (kvstore.decode.sidecar; KV moves through shared memory). The worker learns the
+  loopback port (kvstore.api.server.in_process; KV moves through shared memory). The worker learns the
   URL from the first step's metadata.
 
 A request's cache_salt keeps its pages apart in every case: it is the store's salt
@@ -106,7 +106,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if executor != "mp":
             raise ValueError(f"KVStoreConnector: an in-process store needs its worker on this host (executor "
                              f"{executor!r}); run `kvstore serve` and set url in kv_connector_extra_config")
-        from kvstore.decode.sidecar import InProcessSidecar
+        from kvstore.api.server.in_process import InProcessSidecar
 
         self._sidecar = InProcessSidecar(self.config.store)
         self._store_url = self._sidecar.__enter__()
@@ -123,7 +123,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         store = self.link.in_process_store if self.link is not None else None
         if store is None and self._sidecar is not None:  # this process's store, served to the worker process
-            store = getattr(self._sidecar, "_store", None)
+            store = self._sidecar.store
         if store is not None:
             return ConnectorEvents(StoreEventSource(store), self.model, self.spec, self.block_size)
         if self.config.kv_events_endpoint is None:

@@ -15,9 +15,9 @@ from aiohttp.test_utils import BaseTestServer, TestClient
 from yarl import URL
 from kv_tensors import random_kv as random_kv  # the sidecar tests take it from here
 
-from kvstore.api.config import ServerConfig
-from kvstore.api.event_loop import loop_factory
-from kvstore.api.server import listen_socket, serve_app
+from kvstore.api.server.config import ServerConfig
+from kvstore.api.server.event_loop import loop_factory
+from kvstore.api.server.serve import listen_socket, serve_app
 from kvstore import KVStore
 
 MAX_BODY_BYTES = 1 << 20
@@ -46,7 +46,7 @@ async def call(http: TestClient, method: str, path: str, body: Any = None, *,
 
 
 class SidecarTestServer(BaseTestServer):
-    """aiohttp's test server, serving the sidecar through api/server.py `serve_app` (the data plane
+    """aiohttp's test server, serving the sidecar through api/server/serve.py `serve_app` (the data plane
     reads every connection; aiohttp serves the admin routes) on the test's own loop."""
 
     def __init__(self, store: KVStore, config: ServerConfig, **kwargs: Any):
@@ -83,7 +83,7 @@ def sidecar_client(store: KVStore, config: ServerConfig) -> TestClient:
 
 class LiveServer:
     """The app on a real socket, served by an event loop in a background thread, as `kvstore serve`
-    serves it (api/server.py `serve_app`: the connection limit, the data plane), on the event
+    serves it (api/server/serve.py `serve_app`: the connection limit, the data plane), on the event
     loop the config names (uvloop when installed, by default)."""
 
     def __init__(self, store: KVStore, config: ServerConfig, *, keepalive_timeout_s: float = 75.0):

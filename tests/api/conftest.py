@@ -8,7 +8,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 from api_helpers import MAX_BODY_BYTES, LiveServer, call, sidecar_client
 
-from kvstore.api.config import ServerConfig
+from kvstore.api.server.config import ServerConfig
 from kvstore import KVStore, ModelSpec, StoreConfig
 
 

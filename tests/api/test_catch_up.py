@@ -1,4 +1,4 @@
-"""The sidecar answers first and lets the eviction policy learn after (api/catch_up.py): every
+"""The sidecar answers first and lets the eviction policy learn after (api/server/catch_up.py): every
 request it answers, a data request (the data plane) or an admin one (aiohttp), is learnt from once its answer is out,
 and a busy store lock delays that learning instead of stalling the event loop."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 from api_helpers import MAX_BODY_BYTES, LiveServer, random_kv
 
-from kvstore.api.catch_up import CatchUp
+from kvstore.api.server.catch_up import CatchUp
 from kvstore.api.client import KVStoreClient
-from kvstore.api.config import ServerConfig
+from kvstore.api.server.config import ServerConfig
 from kvstore import KVStore, ModelSpec
 
 

@@ -17,9 +17,9 @@ import torch
 from api_helpers import random_kv
 
 from kvstore.api.client import KVStoreClient
-from kvstore.api.config import ServerConfig
+from kvstore.api.server.config import ServerConfig
 from kvstore.config import StoreConfig
-from kvstore.api.server import GC_YOUNG_THRESHOLD, ServeError, _settle_collector, check_bind
+from kvstore.api.server.serve import GC_YOUNG_THRESHOLD, ServeError, _settle_collector, check_bind
 from kvstore import ModelSpec
 from kvstore.cli import build_configs, build_parser, main
 
@@ -95,7 +95,7 @@ def test_serve_subprocess_roundtrip_sigterm_and_restart(tmp_path):
     port = _free_port()
     proc, line = _start(tmp_path / "data", port)
     assert f"http://127.0.0.1:{port}" in line and "cpu 16.0MiB" in line and "disk 64.0MiB" in line
-    # "auto": uvloop when installed (api/event_loop.py)
+    # "auto": uvloop when installed (api/server/event_loop.py)
     assert f"event loop: {'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}" in line
     with KVStoreClient(f"http://127.0.0.1:{port}") as client:
         client.register_model("m", spec)

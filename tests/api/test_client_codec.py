@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.api import client_codec as codec
+from kvstore.api.client import codec
 
 
 @pytest.mark.parametrize("dtype, layout", [

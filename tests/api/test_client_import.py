@@ -1,6 +1,7 @@
 """A sidecar's client is light: importing it loads no tier, no store, no LMDB and no redis-py,
-so an engine process that only talks to a sidecar pays for none of them. Each import runs in a
-fresh interpreter, where nothing else has loaded them first."""
+so an engine process that only talks to a sidecar pays for none of them; nor any of the
+sidecar's server (api/server/, api/admin/: aiohttp, the data plane) or the proxy. Each import
+runs in a fresh interpreter, where nothing else has loaded them first."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ import sys
 
 import pytest
 
-HEAVY = ("kvstore.tiers", "kvstore.store", "kvstore.tier_stack", "kvstore.placement", "lmdb", "redis", "hiredis")
+HEAVY = ("kvstore.tiers", "kvstore.store", "kvstore.tier_stack", "kvstore.placement", "lmdb", "redis", "hiredis",
+         "kvstore.api.server", "kvstore.api.admin", "kvstore.api.proxy", "aiohttp", "prometheus_client")
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -19,10 +21,11 @@ def loaded_after(statement: str) -> list[str]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("statement", ["import kvstore.api.client", "from kvstore import KVStoreClient"])
-def test_importing_the_client_loads_no_tier_store_lmdb_or_redis(statement: str) -> None:
+@pytest.mark.parametrize("statement", ["import kvstore.api.client", "from kvstore import KVStoreClient",
+                                       "from kvstore.api import AsyncKVStoreClient"])
+def test_importing_the_client_loads_no_tier_store_lmdb_redis_or_server(statement: str) -> None:
     modules = loaded_after(statement)
-    assert "kvstore.api.client" in modules  # the import did load the client
+    assert "kvstore.api.client.sync_client" in modules  # the import did load the client
     heavy = [m for m in modules if m in HEAVY or m.startswith(tuple(f"{h}." for h in HEAVY))]
     assert not heavy, f"{statement!r} loads {heavy}"
 

@@ -14,8 +14,8 @@ import torch
 from api_helpers import MAX_BODY_BYTES, LiveServer, call, random_kv, sidecar_client
 
 from kvstore.api.client import KVStoreClient
-from kvstore.api.config import ServerConfig
-from kvstore.api.http1 import Connection
+from kvstore.api.server.config import ServerConfig
+from kvstore.api.client.http1 import Connection
 from kvstore import KVStore, ModelSpec, StoreConfig
 
 REDIS_TIMEOUT_S = 3.0

@@ -1,4 +1,4 @@
-"""The data plane (api/fast_path.py) against a live server: it reads every request of every
+"""The data plane (api/server/fast_path.py) against a live server: it reads every request of every
 connection and answers every data request itself, whatever its framing (one read or many,
 Content-Length or chunked, msgpack or JSON, pipelined behind admin requests); aiohttp sees only
 the admin routes; answers keep request order; errors, limits, auth and metrics are as they were."""
@@ -16,8 +16,8 @@ import torch
 from api_helpers import MAX_BODY_BYTES, LiveServer, kv_bin, random_kv, tokens_bin
 
 from kvstore.api.client import KVStoreClient
-from kvstore.api.config import ServerConfig
-from kvstore.api.http1 import Connection
+from kvstore.api.server.config import ServerConfig
+from kvstore.api.client.http1 import Connection
 from kvstore import KVStore, ModelSpec, StoreConfig
 
 LOOKUP_8 = (200, {"matched_tokens": 8, "tiers": {"cpu": 8}})
@@ -59,7 +59,7 @@ def _closed(conn: Connection) -> bool:
 
 
 # The data plane only uses asyncio's transport and protocol interfaces: it must behave the same
-# on both loops `kvstore serve` may run (api/event_loop.py).
+# on both loops `kvstore serve` may run (api/server/event_loop.py).
 LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
 
 

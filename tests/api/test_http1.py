@@ -11,7 +11,7 @@ import pytest
 
 import numpy as np
 
-from kvstore.api.http1 import Connection, ProtocolError, _send_all
+from kvstore.api.client.http1 import Connection, ProtocolError, _send_all
 
 
 def _serve_once(pieces: list[bytes]) -> tuple[str, int]:

@@ -6,8 +6,8 @@ import json
 import pytest
 from api_helpers import MSGPACK, call, kv_bin, random_kv, sidecar_client
 
-from kvstore.api.auth import find_tenant, load_auth_file
-from kvstore.api.config import ServerConfig
+from kvstore.api.server.auth import find_tenant, load_auth_file
+from kvstore.api.server.config import ServerConfig
 from kvstore import ModelSpec
 
 TOKENS = {"secret-alice-0123456789": "alice", "secret-bob-0123456789": "bob"}

@@ -11,7 +11,7 @@ import pytest
 from api_helpers import call, kv_bin, random_kv, tokens_bin
 
 from kvstore import ModelSpec
-from kvstore.api.wire import MAX_BODY_DEPTH, decode_json, decode_msgpack
+from kvstore.api.server.wire import MAX_BODY_DEPTH, decode_json, decode_msgpack
 from kvstore.errors import InvalidRequest
 
 ROUTES = [("POST", "/v1/lookup"), ("POST", "/v1/store"), ("POST", "/v1/fetch"), ("POST", "/v1/chunks/store"),

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from api_helpers import call, kv_bin, random_kv
 
-from kvstore.api.openapi import OPERATIONS, template_path
-from kvstore.api.routes import DATA_ROUTES, ROUTES
+from kvstore.api.admin.openapi import OPERATIONS, template_path
+from kvstore.api.admin.routes import DATA_ROUTES, ROUTES
 from kvstore import ModelSpec
 
 

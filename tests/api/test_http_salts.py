@@ -11,7 +11,7 @@ from api_helpers import MAX_BODY_BYTES, MSGPACK, LiveServer, call, kv_bin, rando
 
 from kvstore import KVStoreClient
 from kvstore.errors import InvalidRequest
-from kvstore.api.config import ServerConfig
+from kvstore.api.server.config import ServerConfig
 
 TOKENS = list(range(10, 22))  # three full pages of the fixture's spec
 

@@ -12,10 +12,10 @@ import zmq
 
 from bench.kv_events import MODELS, SPEC, run_exactness, store_picture
 from kvstore import KVStore, StoreConfig
-from kvstore.api.config import ServerConfig
+from kvstore.api.server.config import ServerConfig
 from kvstore.kv_events.publisher import KVEventsPublisher, KVEventsPublisherConfig
-from kvstore.api.metrics import Metrics
-from kvstore.api.server import ServeError, kv_events_publisher
+from kvstore.api.server.metrics import Metrics
+from kvstore.api.server.serve import ServeError, kv_events_publisher
 from kvstore.cli import build_configs, build_parser
 from kvstore.kv_events.subscriber import SidecarEventSource
 from kv_event_view import KVEventView

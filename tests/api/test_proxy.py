@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvstore.api.proxy import ProxyConfig, create_proxy_app
+from kvstore.api.proxy.prefill_decode import ProxyConfig, create_proxy_app
 
 
 class FakeEngine:

@@ -19,9 +19,9 @@ from api_helpers import MAX_BODY_BYTES, LiveServer, call, sidecar_client
 from kv_tensors import random_kv
 
 from kvstore.api.client import KVStoreClient
-from kvstore.api.client_arena import ALIGN_BYTES, ClientArena
-from kvstore.api.config import ServerConfig
-from kvstore.api.shared_memory import HEADER_BYTES, SECRET_BYTES
+from kvstore.api.client.arena import ALIGN_BYTES, ClientArena
+from kvstore.api.server.config import ServerConfig
+from kvstore.api.server.shared_memory import HEADER_BYTES, SECRET_BYTES
 from kvstore import ModelSpec
 from kvstore.errors import InvalidRequest
 
@@ -286,7 +286,7 @@ def test_a_broken_exchange_never_reuses_its_region(live_server, spec: ModelSpec,
 
 
 def test_a_closed_connection_unmaps_its_arena(live_server, spec: ModelSpec):
-    from kvstore.api.context import SHARED_MEMORY
+    from kvstore.api.admin.context import SHARED_MEMORY
 
     arenas = live_server.app[SHARED_MEMORY]
 

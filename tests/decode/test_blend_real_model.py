@@ -13,7 +13,7 @@ from kvstore import KVStore, StoreConfig
 from kvstore.decode import generate
 from kvstore.decode.attention import AttentionContext
 from kvstore.decode.cli import register
-from kvstore.decode.sidecar import InProcessSidecar
+from kvstore.api.server.in_process import InProcessSidecar
 from kvstore.rerotate import rerotate_into
 
 RATIO = 0.15

@@ -17,7 +17,7 @@ from kvstore.decode.blend import ChunkReuse, blend_prefill
 from kvstore.decode.blend_selection import TokenSelection, deviation_score
 from kvstore.decode.cli import register
 from kvstore.decode.recompute import recompute_sizes
-from kvstore.decode.sidecar import InProcessSidecar
+from kvstore.api.server.in_process import InProcessSidecar
 from kvstore.rerotate import rerotate_into
 from kvstore import KVStore, StoreConfig
 

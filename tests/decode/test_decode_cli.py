@@ -56,7 +56,7 @@ def test_demo_reuses_the_conversation_through_a_sidecar(capsys: pytest.CaptureFi
 
 def test_generate_through_a_server_url(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("kvstore.api.client")
-    from kvstore.decode.sidecar import InProcessSidecar
+    from kvstore.api.server.in_process import InProcessSidecar
     from kvstore.config import StoreConfig
 
     argv = ["generate", "--model", "tiny", "--prompt-tokens", ",".join(map(str, range(40))), "--max-new-tokens", "3"]

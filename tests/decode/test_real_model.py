@@ -17,7 +17,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.decode import GenerateResult, LlamaModel, generate
-from kvstore.decode.sidecar import InProcessSidecar
+from kvstore.api.server.in_process import InProcessSidecar
 from kvstore.store import KVStore
 
 transformers = pytest.importorskip("transformers")

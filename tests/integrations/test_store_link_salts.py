@@ -14,7 +14,7 @@ import torch
 
 from integrations.sidecar_process import Sidecar
 from kvstore import KVStoreClient, ModelSpec, StoreConfig
-from kvstore.decode.sidecar import InProcessSidecar
+from kvstore.api.server.in_process import InProcessSidecar
 from kvstore.integrations.connector_config import ConnectorConfig
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm_scheduler import SchedulerSide

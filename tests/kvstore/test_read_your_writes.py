@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstore import ModelSpec, page_writes
-from kvstore.api.loop_store import LoopStore
+from kvstore.api.server.loop_store import LoopStore
 from kvstore.errors import StoreBusy
 
 # 64 KiB pages: each page's copy into the CPU tier takes long enough for other threads to

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore import KVStore, ModelSpec, StoreConfig
-from kvstore.api.metrics import Metrics
+from kvstore.api.server.metrics import Metrics
 from kvstore.errors import InvalidRequest
 from kvstore.reuse_audit import (EPS_MULTIPLE, FLOAT32_FLOOR, audited_span, check_audit_rate, compare_page, deviation,
                                  sampled, tolerance_for)
@@ -106,7 +106,7 @@ def test_a_failed_audit_keeps_pages_another_request_holds_pinned():
 
 def test_the_sidecar_takes_audits_and_drops_the_path():
     from kvstore.api.client import KVStoreClient
-    from kvstore.decode.sidecar import InProcessSidecar
+    from kvstore.api.server.in_process import InProcessSidecar
 
     with InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=1 << 20, disk_bytes=0)) as url, \
             KVStoreClient(url) as client:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kv_tensors import random_kv
 
-from kvstore.api.client_codec import tokens_bin
+from kvstore.api.client.codec import tokens_bin
 from kvstore.errors import InvalidTokens
 from kvstore.validation import token_bytes
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.api.framing import unpack_map
-from kvstore.api.wire import decode_msgpack, fetch_request, lookup_request, store_request
+from kvstore.api.server.wire import decode_msgpack, fetch_request, lookup_request, store_request
 from kvstore.errors import InvalidRequest
 from kvstore.tiers.disk_record import CorruptRecord, decode_header
 
