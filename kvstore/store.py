@@ -151,7 +151,7 @@ class KVStore:
 
     def catch_up(self) -> None:
         """Do the learning `learn_later` held back. (The sidecar's loop, which must not wait for
-        the lock, catches up through its adapter: api/loop_store.py.)"""
+        the lock, catches up through its adapter: api/server/loop_store.py.)"""
         with self._lock:
             self._placement.catch_up()
 
@@ -283,7 +283,7 @@ class KVStore:
         return record_audit(self._state, model, tenant, _root(entry, salt), entry.spec.page_size, tb,
                             passed=check_passed(passed), tier=check_tier_name(tier), layer=check_layer(layer))
 
-    # -- what the sidecar's adapter calls (api/loop_store.py): not the embedder's surface -----
+    # -- what the sidecar's adapter calls (api/server/loop_store.py): not the embedder's surface -----
     def _register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:
         """register_model, True when this call created the registration (HTTP 201)."""
         check_model_name(model)

@@ -33,13 +33,13 @@ from kvstore.tier_stack import TierStack
 class StoreState:
     def __init__(self, config: StoreConfig):
         self.config = config
-        # Re-entrant: a caller that holds it (api/loop_store.py `unless_busy`) may call any store method.
+        # Re-entrant: a caller that holds it (api/server/loop_store.py `unless_busy`) may call any store method.
         self.lock = threading.RLock()
         # Notified whenever a store publishes its pages or gives them up: a store that met a page
         # another one was writing waits here for it (kvstore/page_writes.py).
         self.published = threading.Condition(self.lock)
         self.waiting = 0  # stores waiting on `published` (publishing notifies only if any)
-        # True while a caller that must never wait holds the lock (api/loop_store.py `unless_busy`): a store
+        # True while a caller that must never wait holds the lock (api/server/loop_store.py `unless_busy`): a store
         # that would wait for another's page raises StoreBusy instead.
         self.must_not_wait = False
         self.index = PageIndex()
