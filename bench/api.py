@@ -1,28 +1,11 @@
-"""Sidecar store/fetch throughput and latency on loopback, beside redis-py SET/GET of the same
-bytes against a local redis-server, in one run (docs/design.md §8).
+"""Sidecar store/fetch throughput and latency on loopback, shared memory and TCP, 1 and 8 clients,
+beside redis-py SET/GET of the same bytes (the faster of hiredis and its pure-Python parser) on
+a local redis-server, alternated in rounds in one run; also the loopback TCP ceiling.
 
     python bench/api.py [--seconds 3] [--rounds 3] [--json out.json]
 
-Starts `kvstore serve` (CPU tier only, so both sides are in-memory) and `redis-server` (the
-Redis column is skipped, with a note, when none is installed) on free loopback ports. For each
-value size (64 KiB, 2 MiB) and client count (1, 8 threads, one connection each): store/SET and
-fetch/GET throughput (MB/s, 10^6 bytes) and p50/p99 latency, for the client's two transports:
-`shm` (its default on loopback: KV through shared memory, api/client/arena.py) and `tcp` (KV
-in the HTTP bodies, as for a sidecar on another host). Also measures the raw loopback
-TCP throughput of the machine: the ceiling for both.
-
-redis-py runs in both of its configurations: with hiredis (its default when installed: hiredis
-parses replies and packs commands) and with its pure-Python parser and packer. Each sidecar cell
-is compared with the faster of the two for that operation, size and client count (hiredis packs
-a large SET slower, and parses a large GET faster); the table names which.
-
-Each store writes new pages (distinct tokens), as each SET writes a value; fetches read
-prestored prefixes, as GETs read prestored keys. Targets (2 MiB): fetch >= 1.5x GET (>= 2x with
-1 client over shared memory), store >= 1.0x SET; 64 KiB fetch latency (p50, 1 client) <= 2x
-GET's, over shared memory and over TCP (the latency rows under the table).
-
-The sidecar imports the kvstore this process does (PYTHONPATH is inherited), so the same script
-measures another checkout: `PYTHONPATH=/path/to/old/site python bench/api.py`.
+The cells, targets and figures: docs/performance.md, "Sidecar against Redis". The sidecar imports
+the kvstore this process does: `PYTHONPATH=/old/site python bench/api.py` measures another one.
 """
 from __future__ import annotations
 

@@ -3,26 +3,13 @@
     python bench/disagg.py [--long-tokens 1800] [--long-prompts 4] [--decoders 3] [--decode-tokens 48]
                            [--json out.json]
 
-The model is SmolLM2-135M-Instruct (float32), served by vLLM's OpenAI server on its CPU build,
-each engine a process of its own (bench/engines.py). Two deployments run one after the
-other, on the same requests:
-
-    one engine   vLLM alone, its own prefix cache on
-    disagg       `kvstore serve`, a kv_producer engine, a kv_consumer engine, `kvstore proxy`
-
-The mix: `--decoders` streaming chat requests with short prompts, each generating
-`--decode-tokens` tokens, and, once they are all decoding, `--long-prompts` long prompts
-(`--long-tokens` tokens of Python's own documentation and a question, each distinct), one
-after another, 16 tokens each. Reported per deployment:
-
-    decoders' time per output token, alone (before the long prompts) and while the long
-    prompts arrive: the stall a prefill causes the requests that are decoding, which is what
-    disaggregation exists to remove
-    the long prompts' TTFT (first streamed token) and total time
-
-On a machine whose engines share the same CPU cores, the prefill engine's compute still
-competes with the decode engine's, so the stall cannot vanish here; the figures show how much
-of it moves off the decode engine's step.
+The real model on vLLM's OpenAI server (CPU build), each engine a process of its own. Two
+deployments on the same requests: `one engine` (vLLM alone, its prefix cache on) and `disagg`
+(`kvstore serve`, a kv_producer, a kv_consumer, `kvstore proxy`). The mix: `--decoders`
+streaming chat requests decoding `--decode-tokens` tokens and, once all decode, `--long-prompts`
+distinct prompts of `--long-tokens` tokens of Python's documentation, one after another (16
+tokens each). Reported: the decoders' time per token alone and while the long prompts arrive
+(the stall a prefill causes), and the long prompts' TTFT and total (docs/disaggregation.md).
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Eviction benchmark: replay Mooncake-format traces through the store's index and policies.
 
-For each trace, policy and tier configuration it prints one line: hit ratio (blocks in the
-leading run of a request found cached before the request is stored, over all blocks), hits per
-tier, prefill tokens saved, and replay speed in block operations per second (one op = one block
-of one request looked up and touched or inserted, with the evictions it causes). `belady` is the
-offline optimum (bench/research/belady.py), the line the policies are measured against.
+    python bench/eviction.py bench/data/mooncake_synthetic.jsonl --capacities 0.01,0.02,0.05,0.1,0.2 \
+        --policies lru,lru-prefix,belady --json bench/out/eviction.json --plot bench/out/eviction.png
 
-    python bench/eviction.py bench/data/mooncake_synthetic.jsonl \
-        --capacities 0.01,0.02,0.05,0.1,0.2 --policies lru,lru-prefix,belady \
-        --json bench/out/eviction.json --plot bench/out/eviction.png
-
-Capacities are fractions of the trace's unique blocks (a number with a dot) or block counts
-(an integer). `--tiers gpu=0.01,cpu=0.04,disk=0.15` replaces them with one multi-tier split
-(repeat the option for several); victims are demoted down the tiers, hits promoted to the top.
+One line per trace, policy and tier configuration: hit ratio (blocks of a request's leading run
+found cached), hits per tier, prefill tokens saved, replay speed. `belady` is the offline
+optimum. Capacities are fractions of the trace's unique blocks (with a dot) or block counts;
+`--tiers gpu=0.01,cpu=0.04,disk=0.15` is one multi-tier split (docs/eviction.md).
 """
 from __future__ import annotations
 

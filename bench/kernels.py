@@ -1,22 +1,11 @@
-"""The store's GPU paths, each timed beside a plain copy of the same bytes in the same run, and
-reported as a share of it (the copy's time over the path's: 1.0 is copy speed):
-
-    path                           as the store runs it                               baseline, target
-    gather / scatter               gpu/paged.py kernels, all layers in one launch     device-to-device copy, >= 0.8x
-    quantize / dequantize int8|fp8 the codecs' encode / decode on CUDA tensors        device-to-device copy of as many
-                                   (the kernels, into the slot's views)               bytes read + written, >= 0.7x
-    demote none|int8               the placement's eviction of a GPU page to the      one pinned device->host copy of
-                                   CPU tier: TierStack.copy_down (encode on the       the pages' raw bytes, >= 0.8x
-                                   device, copy, synchronize) page by page
-    promote                        TierStack.promote of a hit from its fetch answer   one pinned host->device copy of
-                                   (pageable host memory) into a new GPU slot         the pages' raw bytes, >= 0.8x
-    rope_rerotate                  the CacheBlend kernel                              reported, no target
+"""The store's GPU paths (gather/scatter, the int8/fp8 codecs, a GPU page's demotion and a hit's
+promotion, the RoPE re-rotation), each timed beside a plain copy of the same bytes in the same
+run and reported as a share of it (1.0 is copy speed; TARGETS).
 
     python bench/kernels.py [--json FILE] [--page-kib 64 512 2048] [--batches 1 8 64]
 
-GPU only (CUDA + CuPy). Pages are float16 KV of H=8 heads, D=128, P=16 tokens; the layer count sets
-the page size. The JSON has every row and, under "targets", each path's worst share against its
-target (bench/gpu_check.sh prints them).
+GPU only (CUDA + CuPy); bench/gpu_check.sh runs it and prints each path's worst share against its
+target (docs/performance.md, "GPU kernels").
 """
 from __future__ import annotations
 

@@ -3,20 +3,11 @@
     python bench/kv_events.py [--ops 100000] [--checkpoint-every 1000] [--seed 0] [--zmq]
                               [--cost-rounds 5] [--cost-calls 2000] [--json FILE]
 
-Exactness: a churn workload (stores of sequences sharing prefixes, fetches whose disk hits are
-promoted, lookups, CPU->disk demotions and evictions from both tiers, chunk stores, a model
-dropped and registered again, restarts) runs against an in-process store with a CPU and a disk
-tier small enough that every store evicts. A subscriber applies the store's KV events in order
-(`KVEventView`, through an in-memory log or, with `--zmq`, through the sidecar's publisher and
-real ZeroMQ sockets); at every checkpoint its picture, per medium, is compared with what the
-store holds: pages it lacks (missing) and pages the store no longer holds (phantom), and the
-matched tokens of lookups the subscriber predicts from its picture against the store's own.
-
-Cost: one-page stores into a full CPU tier (each evicts) and one-page fetches, timed in
-alternating blocks with events off, and on (the sidecar's publisher, nobody subscribed), off
-first in even rounds and on first in odd ones, in one run, the collector set as `kvstore serve`
-sets it; the ratio is the figure (target: on costs at most 5% more), in wall-clock medians and
-in the process's CPU time.
+Exactness: a churn workload against a small CPU + disk store; a subscriber applies its events
+(in memory, or with `--zmq` through the sidecar's publisher) and at every checkpoint its picture
+and its predicted lookups are compared with the store's. Cost: one-page stores and fetches in
+alternating blocks with events off and on, off first in even rounds and on first in odd ones,
+in wall-clock medians and process CPU time (docs/kv_events.md, "Measured").
 """
 from __future__ import annotations
 

@@ -2,19 +2,11 @@
 
     python bench/kv_router.py [--sidecars 3] [--documents 6] [--requests 30] [--seed 0]
 
-It does what llm-d's KV-cache indexer does with vLLM's events, on kvstore's: it keeps, per
-sidecar (a "pod"), the blocks each one holds and in which medium, under keys of its own made
-from the events' token ids and parents (so it places blocks from a sidecar it has never asked
-anything, as llm-d does once `token_ids` are present), and scores a request by the run of its
-leading blocks a pod holds, each block weighted by the best medium it is held in (`WEIGHTS`:
-a GPU hit saves more than a CPU one, which saves more than a disk one). The request goes to the
-highest score.
-
-The demo starts N in-process stores, each with the sidecar's publisher on its own ZeroMQ
-endpoint (what `kvstore serve --kv-events-endpoint` runs), stores documents on some of them
-(pushing some down to disk), and routes requests made of a document and a question: each is
-sent to the sidecar the router picks, and the tokens that sidecar then serves are compared with
-the router's prediction.
+What llm-d's KV-cache indexer does with vLLM's events, on kvstore's: per sidecar the blocks it
+holds and in which medium, under keys of its own chained over the events' token ids, and a
+request scored by the run of leading blocks a sidecar holds, each weighted by its best medium
+(`WEIGHTS`). The demo routes requests among N in-process stores, each publishing as `kvstore
+serve` does, and checks each sidecar serves the prefix the router predicted (docs/kv_events.md).
 """
 from __future__ import annotations
 

@@ -1,33 +1,13 @@
 """Per-operation cost of the hot path: one-page and four-page store and fetch, a fetch into a
 caller's buffer, a disk-tier fetch, and the same through the sidecar, each beside a memcpy of the
-same bytes and the cheapest store Python allows, measured interleaved in one run.
+same bytes, a dict and redis-py, timed call by call in interleaved blocks in one run.
 
     python bench/ops.py [--quick] [--rounds 5] [--seconds 0.4] [--json FILE] [--paths ...] [--no-redis]
                         [--before-site DIR]
 
-Every case is timed call by call (p50, p90) in rounds; in each round the case and its baselines
-run in alternating blocks of a few calls, so a burst of load on this shared machine hits all of
-them alike. The figures to read are the ratios within the run:
-
-  - memcpy: `np.copyto` of the same bytes into a preallocated array; for an operation that
-    returns fresh memory also a copy into a fresh array (`ndarray.copy()`), and the faster of the
-    two counts (the table says which). "speed vs memcpy" is memcpy time / operation time.
-  - dict: a dict from a precomputed key to a preallocated buffer, one copy out (a fresh copy for
-    a fetch, `np.copyto` into the caller's buffer for a fetch `into=`) or, for a store, one copy
-    in. "cost vs dict" is operation time / dict time.
-  - redis-py (sidecar rows, when `redis-server` is installed): GET/SET of the same bytes against
-    a local redis-server, with hiredis and with redis-py's pure-Python parser and packer; the
-    faster configuration for each operation counts.
-
-The baselines cycle over as many distinct buffers as the case cycles over stored values, so
-both read memory equally cold. Stores write new tokens every call into a tier filled to
-capacity first (steady state: each store evicts). Tokens are Python lists of ints. In-process,
-the collector is set as the README advises an embedder (`gc.freeze()`, threshold 50,000); the
-sidecar sets it itself.
-
-The kvstore measured is whichever `import kvstore` finds (printed first), so the same script
-gives before/after figures: `PYTHONPATH=/path/to/old/site python bench/ops.py`, or both in one
-command, `--before-site /path/to/old/site` (that run first, then this one, then one table of both).
+The baselines and what the figures mean: docs/performance.md, "Per-operation cost". The kvstore
+measured is whichever `import kvstore` finds (printed first): `PYTHONPATH=/old/site python
+bench/ops.py`, or `--before-site /old/site` for both in one run and one table.
 """
 from __future__ import annotations
 

@@ -2,24 +2,12 @@
 
     python bench/paged_copy.py [--tokens 1024 2048 4096 8192] [--json FILE]
 
-A hit writes a prompt's KV, which an in-process store hands out as its CPU tier's pages where
-they lie (pages of 16 tokens, each holding every layer), into vLLM's blocks of 32 tokens,
-layer by layer; a miss gathers the new blocks out. The shapes are SmolLM2-135M-Instruct's (30
-layers, 3 KV heads of 64, float32: 46,080 bytes a token), and the blocks are the backend's own
-arrangement, probed from its cache-write op as the connector does at start. Rows:
-
-- memcpy: one copy of the hit's bytes, the floor of any scatter or gather;
-- scatter, strided copies: the pages joined, K and V rearranged into block rows by torch's
-  strided copies, the rows written into the pool;
-- scatter, backend writer: the pages joined, then vLLM's own cache-write op (what the
-  connector does, kvstore/integrations/paged_layout.py BackendWrittenLayout);
-- scatter, writer per offset: the same op reading the pages where they lie, one call per token
-  offset within a page (no join; tried, not used);
-- scatter, writer from an answer: the same op reading each layer of one contiguous (L, 2, T, H, D)
-  answer (what a sidecar's fetch into shared memory hands over): the writer alone, no join;
-- gather: the blocks copied out into the store's layout (a miss's save).
-
-Needs vLLM's CPU build; every figure is the best of `--repeats`, ratios within one run.
+SmolLM2-135M-Instruct's shapes, the backend's own block arrangement probed as the connector
+probes it. Rows: one copy of the bytes (memcpy); a hit's scatter by torch's strided copies, by
+the pages joined then vLLM's own cache-write op (the connector's way), by that op reading the
+pages where they lie one token offset at a time, and by that op from one contiguous answer (a
+sidecar's fetch); a miss's gather. Needs vLLM's CPU build; each figure the best of `--repeats`
+(docs/vllm.md and docs/performance.md, "The vLLM connector's copy into vLLM's blocks").
 """
 from __future__ import annotations
 

@@ -3,13 +3,10 @@ all begin with the same token (BOS), as every prompt of a real engine does.
 
     python bench/prefix_scale.py [--sizes 1000,10000,50000] [--json out.json]
 
-Each prompt is BOS + 39 random ids (two full 16-token pages and a 7-token tail). Per size, the
-store is filled to that many prompts, then timed: a lookup whose first page misses inside its
-BOS-led first page (the partial-match search), a lookup that hits 20 tokens, and a store of a new
-prompt. Figures are µs per call (medians of repeats) and the ratio to the smallest size: a flat
-ratio means the cost does not grow with what the store holds. Run against older code with
-`PYTHONPATH=<an importable copy of it>`: the repository root is put on sys.path only when
-`kvstore` is not importable already.
+Each prompt is BOS + 39 random ids. Per size: a lookup whose first page misses inside its
+BOS-led first page (the partial-match search), a lookup that hits 20 tokens, a store of a new
+prompt; µs per call (medians of repeats) and the ratio to the smallest size, flat when the cost
+does not grow with what the store holds. `PYTHONPATH=<older copy>` measures older code.
 """
 from __future__ import annotations
 

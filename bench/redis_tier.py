@@ -1,18 +1,11 @@
 """Redis tier throughput: a 2 MiB page fetched through the store's Redis tier against a raw
 redis-py GET of the same value, and a multi-page fetch pipelined against page-by-page.
 
-    python bench/redis_tier.py [--pages 32] [--repeat 9] [--one-page-repeat N] [--redis-url redis://...] \\
+    python bench/redis_tier.py [--pages 32] [--repeat 9] [--one-page-repeat N] [--redis-url redis://...] \
         [--json out.json]
 
-Without --redis-url it starts its own redis-server on a free loopback port (needs redis-server
-on PATH). The store is Redis-only (no CPU or disk tier), so every fetch reads Redis; the
-tier's cost over the raw GET is the record's header and checksum and the store's own work: the
-payload is received straight into the output tensor (tiers/redis_landing.py), where redis-py
-copies the value out of hiredis' buffer into a new bytes object. "Page by
-page" is the tier itself with one GET per round trip on one connection, each page read and
-decoded before the next GET is sent; "raw GET per page" is redis-py's client doing the same
-(an engine without batching). Speeds are ratios measured in the same run, interleaved (machines here are shared and
-noisy); absolute MB/s are printed for context only.
+A Redis-only store, so every fetch reads Redis; without --redis-url a redis-server of its own on
+loopback. Each row interleaves its two sides in one run (docs/redis.md, "Measurements").
 """
 from __future__ import annotations
 

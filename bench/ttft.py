@@ -2,26 +2,12 @@
 
     python bench/ttft.py [--model smollm2] [--lengths 1024,2048,4096,8000] [--json out.json] [--server URL]
 
-For each prompt length T: TTFT of a full prefill (no store), then TTFT when the store holds all
-but the last page (T - P tokens reused, P computed), served by
-  - cpu:     an in-process `KVStore` with only a CPU tier,
-  - disk:    an in-process `KVStore` with only an LMDB tier (read through the OS page cache, as a
-             warm disk tier is),
-  - sidecar: `kvstore serve` in a subprocess (CPU tier) through `KVStoreClient` over loopback,
-             or the sidecar at `--server`.
-Every ratio is hit TTFT / full-prefill TTFT of the same run, each the best of `--repeats` runs
-(on a shared CPU host a run can be descheduled for hundreds of ms; the best run is the cost of
-the work itself, and medians are kept in the JSON next to it).
-Then the break-even prefix: for prefixes of 16..1024 tokens plus one computed page, the
-shortest prefix from which fetching beats computing, per backend. Also bytes fetched per second
-(KV bytes reused / time spent in lookup + fetch + scatter).
-
-The model is the real one, SmolLM2-135M-Instruct (`--model smollm2`, pulled on first use; 30
-layers, float32), and prompts are real English text, sections of Python's own language
-reference, cut to each length; 8,000 tokens is the longest that leaves room in its 8,192-token
-context. `--model DIR` takes any Llama-style checkpoint; `--model random` is a 4-layer random
-Llama whose prefill is cheap, for trying the script quickly. Targets at 8k tokens: in-process
-<= 0.1x full prefill, sidecar <= 0.2x.
+For each prompt length: a full prefill, then hits of all but the last page from an in-process CPU
+tier, an in-process LMDB tier (through the OS page cache) and `kvstore serve` (or `--server`),
+each the best of `--repeats`; then the break-even prefix per backend. The real model on real text
+(docs/performance.md, "Time to first token"); `--model DIR` takes any Llama-style checkpoint,
+`--model random` a cheap 4-layer random Llama. Targets at 8k tokens: in-process <= 0.1x full
+prefill, sidecar <= 0.2x.
 """
 from __future__ import annotations
 

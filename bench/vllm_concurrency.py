@@ -4,22 +4,12 @@ and without kvstore: throughput and time to first token, in one run.
     python bench/vllm_concurrency.py [--prefix-tokens 2048] [--suffix-tokens 64] [--requests 8]
                                      [--output-tokens 32] [--random-model] [--json out.json]
 
-The model is SmolLM2-135M-Instruct (`kvstore model pull smollm2`), float32 on vLLM's CPU build,
-each engine a fresh process (enforce_eager, block size 32, vLLM's default chunked prefill); the
-prefix and the suffixes are sections of Python's documentation (bench/vllm_ttft.py `Prompts`).
-The store is `kvstore serve` on loopback (shared memory). A batch is all requests submitted at
-once (`LLM.generate` with every prompt), each batch with suffixes no earlier batch used:
-
-    vLLM, prefix cached          no connector, the prefix in vLLM's own prefix cache
-    vLLM, nothing cached         no connector, a fresh cache_salt per request: every token computed
-    kvstore, prefix in both      the connector on, the prefix in vLLM's cache and in the store
-    kvstore, prefix in store     the connector on, vLLM's cache emptied before the batch
-                                 (reset_prefix_cache): the prefix comes from the store only
-
-the kvstore cases twice: loads inside the step (the default) and `load_async`. TTFT is a batch
-with one output token (the wall time until every request has its first token); throughput is
-requests per second of a batch with `--output-tokens` tokens each. Each figure is the best of
-`--repeats` batches.
+The real model on vLLM's CPU build, each engine a fresh process, the store `kvstore serve` on
+loopback. A batch is every request at once, with suffixes no earlier batch used: vLLM with the
+prefix cached and with nothing cached (a fresh cache_salt a request); kvstore with the prefix in
+vLLM's cache and the store, and in the store only (vLLM's cache emptied), loads in the step and
+`load_async`. TTFT is a batch of one output token; throughput, requests/s of a batch of
+`--output-tokens`; each the best of `--repeats` batches (docs/vllm.md, "Eight requests at once").
 """
 from __future__ import annotations
 

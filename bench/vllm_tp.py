@@ -5,35 +5,10 @@ nothing served, P/D runs across degrees, and a cross-degree hit's TTFT.
     python bench/vllm_tp.py [--tp 3] [--tokens 2048] [--check-tokens 512] [--repeats 3] [--skip-pd]
                             [--json out.json]
 
-The model is SmolLM2-135M-Instruct (30 layers, 9 query heads over 3 KV heads of 64, float32),
-served by vLLM's CPU build, every engine a fresh process whose ranks are processes of their
-own ("mp" executor; VLLM_CPU_OMP_THREADS_BIND=nobind: the ranks share the machine's cores). All
-engines talk to one `kvstore serve` sidecar (CPU tier). Prompts are real text (Python's
-documentation, as bench/vllm_ttft.py's), each distinct: `--tokens` long where a hit is timed or
-reused across degrees (A, B), `--check-tokens` where only answers are compared (C, the failed
-rank's prompt, the warm-up). Steps:
-
-    tp1 stores    a TP=1 engine prefills prompt A (storing it) and answers it
-    cross hit     a TP=`--tp` engine: a full prefill of A (a salt the store does not take: vLLM
-                  alone), then A again from its own prefix cache (best of --repeats), then A
-                  from the store with its own cache emptied (the TP=1 pages, each rank loading
-                  its heads; best of --repeats); TTFT of each, hit tokens, and the answers'
-                  greedy tokens; then prompt B, fresh, which its ranks store in parts; then a
-                  prompt whose rank 1 fails every store (bench/reliability/rank_fault_connector.py),
-                  twice: the sidecar then serves none of it, and the second answer is recomputed
-    tp1 loads     a fresh TP=1 engine answers B from the TP=`--tp` pages and with a full prefill
-    decode loop   kvstore's decode loop answers B from those pages and without the store
-    p/d           `kvstore proxy` with a kv_producer and a kv_consumer OpenAI server, at TP=1 and
-                  TP=`--tp` and the reverse, answering prompt C (completions, token ids): against
-                  the answer of one engine alone
-    slices        a 1/`--tp` head slice of a prompt's pages fetched from the sidecar against the
-                  whole pages, through shared memory and over TCP (best of 7)
-
-Targets (judged after the table, written to the JSON): a cross-degree hit loads every whole
-page the other degree stored; no page of the failed rank's prompt is served; at TP=`--tp` a
-store hit costs <= 0.25x a full prefill; a 1/3 head slice's fetch costs <= 0.45x the whole
-pages'. Answers must equal: hit and full prefill in each engine, the decode loop with and
-without the store, P/D and one engine.
+Every engine a fresh process whose ranks share the machine's cores, all on one `kvstore serve`
+sidecar; prompts of Python's documentation, `--tokens` long where a hit is timed or reused
+across degrees, `--check-tokens` where only answers are compared. The steps, the checks and the
+figures: docs/vllm.md, "On the real model at TP=3".
 """
 from __future__ import annotations
 

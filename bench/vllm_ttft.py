@@ -1,55 +1,12 @@
 """vLLM's time to first token with kvstore as its KV connector, against a full prefill and against
-vLLM's own prefix cache, in one run.
+vLLM's own prefix cache, in one run: an in-process store (CPU tier, then its disk tier after a
+restart), a sidecar through shared memory and over TCP; the connector's own time by its timers.
 
-    python bench/vllm_ttft.py [--sizes 1024,2048,4096,8191] [--json out.json] [--random-model]
+    python bench/vllm_ttft.py [--sizes 1024,2048,4096,8191] [--json out.json] [--random-model] [--audit-rate R]
 
-The model is SmolLM2-135M-Instruct (`kvstore model pull smollm2`: 30 layers, hidden 576, 9 query
-heads over 3 KV heads of 64, float32 weights, 8k context), served by vLLM's CPU build, each
-engine a fresh process (VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler and worker in it, so the
-in-process store is really in-process; enforce_eager; vLLM's default chunked prefill). The
-prompts are real text: sections of Python's own documentation (pydoc_data.topics) joined and
-tokenized with the model's tokenizer, cut to each size, one per size, the same in every engine.
-The largest default size, 8191 tokens, fills the model's context with the first output token.
-`--random-model` serves a random-weight Llama with random token ids instead (4 layers, hidden
-512, 8 query heads over 2 KV heads of 64, 32k vocabulary), which needs no download.
-
-    baseline  no connector: full prefill; then the same prompt again, a hit in vLLM's own prefix
-              cache (the floor: the KV is already in the engine's memory)
-    inproc    connector with an in-process store (CPU tier + disk tier): the prompt once with
-              nothing to hit (prefill + storing its blocks), then again with vLLM's prefix cache
-              emptied (reset_prefix_cache): a hit in the store's CPU tier
-    disk      a new engine on the same store directory: the first request is served by the disk
-              tier (LMDB, through the OS page cache, as a warm disk is)
-    shm       connector to `kvstore serve` on loopback (shared memory, sized for the largest
-              prompt's KV, moves it): nothing to hit, then a hit with vLLM's cache emptied
-    tcp       a new engine on the same sidecar with shared memory off: the KV comes over TCP
-    audit     with `--audit-rate R` > 0: the inproc plan again on a store of its own, with
-              audit_rate R (kvstore/integrations/vllm_audit.py): each store hit withholds its last
-              block, computes it and compares it with the stored one
-
-Every engine first prefills one prompt that no row uses (`--warmup` tokens: the one-time costs
-of a first batch; with chunked prefill every longer prompt runs in chunks of that shape or
-smaller). Hits are the best of `--repeats` (vLLM's cache emptied before each; the disk row is
-one request, since a hit promotes its pages to the CPU tier). Full and miss prefills run once.
-In the connector's engines each store hit is followed by the same prompt again, a hit in that
-engine's own prefix cache: "/ own hit" compares the two within one engine and one stretch of
-time, which a shared host's drift between engines does not blur.
-Next to each TTFT: the seconds the connector itself spent (fetch, scatter into vLLM's blocks,
-gather out of them, store), which a busy host does not blur the way it blurs two prefills'
-difference. Decode tokens/s (greedy, `--decode-tokens` after a 512-token prompt) with and
-without the connector (nothing to hit): generation time less the TTFT of a like prompt, best
-of 2.
-
-The connector's share of a decode step is timed on two more requests of the in-process engine
-(a 512-token prompt with one output token, then with `--decode-tokens`): every vLLM hook of both
-connector sides is wrapped in a timer, and the decode steps' hook time and wall time are the
-second request's less the first's, per step.
-
-Targets (TARGETS; each is judged after the table, met or not, and written to the JSON): a hit
-in-process and through shared memory <= 1.2x the same engine's own prefix-cache hit at every
-size, and <= 0.25x a full prefill from 2k tokens up; over TCP <= 2x the own hit at 2k; with
-nothing to hit, the connector's own work (its timers) <= 3% of a prefill's TTFT and its hooks
-<= 1% of a decode step.
+The real model (SmolLM2-135M-Instruct) on Python's documentation as text, each engine a fresh
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0); `--random-model` needs no download. The engines, the
+rows, the targets and the figures: docs/vllm.md, "Performance".
 """
 from __future__ import annotations
 
@@ -68,6 +25,9 @@ from bench.engines import REAL_MODEL, RANDOM_MODEL, Sidecar, checkpoint, kv_byte
 from bench.prompts import Prompts  # noqa: E402
 from bench.report import write_json  # noqa: E402
 
+# A memory hit (in-process, shared memory) at every size against the same engine's own hit, and
+# from 2k tokens against a full prefill; TCP at 2k; with nothing to hit, the connector's timed
+# work against a prefill's TTFT and its hooks against a decode step; an audited hit at 2k.
 TARGETS = {"hit_vs_own_hit": 1.2, "hit_vs_full_from_2k": 0.25, "tcp_hit_vs_own_hit_2k": 2.0,
            "miss_work_share_of_prefill": 0.03, "hooks_share_of_decode_step": 0.01,
            "audited_hit_vs_hit_2k": 1.15}

@@ -4,28 +4,11 @@ store and fetch, in-process and through the sidecar (shared memory and TCP), in 
     python -m bench.profiling breakdown [--quick] [--json FILE]
     python -m bench.profiling breakdown --before-site DIR [--quick]   # older code (PYTHONPATH=DIR) and this one
 
-Each case runs twice with the same calls: unprofiled, for its p50, then under cProfile. The
-profile's self times are grouped into categories (below); a builtin (a C function: a copy, a
-lock, a socket call, a hash) counts in its own category where it has one, else in its caller's.
-The profiler inflates Python-heavy code more than C copies, so the figures are each category's
-share of the profiled time scaled to the unprofiled p50: they say where the time goes, not what
-removing a part would save exactly.
-
-Through the sidecar, the client is profiled in this process and the sidecar in its own: it is
-started with a profiler that SIGUSR1 switches on and SIGUSR2 off (and dumps), a hook in this
-harness's launcher, not in the sidecar's code. Only the event loop's thread is profiled; every
-case here is answered on the loop (memory tiers, below `inline_copy_bytes`). On uvloop, the
-loop's own work and its transports' writes are C that cProfile does not see: a write's time (the
-send, which on a 2-core host also wakes the client) lands in the Python function that called it
-(the data plane's `data_received`, api/server/connection.py), the loop's in "between the processes";
-`--serve-arg=--event-loop=asyncio` profiles the same app on asyncio's loop, where both are
-Python and socket calls. Per call, the
-client's own time (without waiting for the answer), the sidecar's busy time (without its idle
-poll) and the rest (wake-ups, the loopback transfer, scheduling: "between the processes") add up
-to the profiled call time; all three are scaled to the unprofiled p50 in the same proportion.
-
-`--before-site DIR` runs the cases once with PYTHONPATH=DIR (an importable copy of older code)
-and once as this checkout imports it, and prints one table with both.
+Each case runs unprofiled for its p50, then under cProfile; each category's share of the
+profiled self time is scaled to the p50 (docs/performance.md, "Where the time goes"). The
+sidecar runs under this harness's launcher, whose profiler SIGUSR1 switches on and SIGUSR2 off
+and dumps; only its event loop's thread is profiled, and uvloop's own C is invisible to cProfile
+(`--serve-arg=--event-loop=asyncio` profiles the same app on asyncio's loop).
 """
 from __future__ import annotations
 

@@ -3,18 +3,11 @@ beside kvstore's and the dict baseline of bench/ops.py, in one interleaved run.
 
     python -m bench.profiling floor [--rounds 5] [--seconds 0.4] [--json FILE]
 
-`FloorStore` is the least a store can do and still be one: it checks the token ids (a list of
-ints in [0, 2^31)) and the KV (a contiguous CPU tensor of the model's dtype and shape), keys a
-page by a blake2b-128 digest of its tokens, holds a lock around its table, pins what it reads,
-keeps LRU order and evicts the oldest unpinned page when full, copies the bytes in (store) or
-out into fresh memory (fetch) and answers the KV as a torch tensor of the page's shape. It has
-no tiers, no prefix tree (one page, one key), no policy learning, no counters, no tenants.
-
-Its time against the dict baseline (a dict from a precomputed key to a buffer and one copy)
-is the least any Python store's in-process one-page fetch or store can cost against that
-baseline: kvstore's ratio above the floor's is what its tree, tiers and policies cost. A
-second table times each of the floor's steps alone (timeit, best of 7), so the floor can be
-read as a sum.
+`FloorStore` checks the tokens and the KV, keys a page by a blake2b-128 digest, holds a lock,
+pins what it reads, evicts the oldest unpinned page and copies the bytes in or out: no tiers,
+prefix tree, policy learning, counters or tenants. kvstore's ratio to the dict above the floor's
+is what those cost; a second table times the floor's steps alone (timeit, best of 7)
+(docs/performance.md, "The floor").
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """Instructions per store operation, counted by valgrind: a measure of fixed costs that noise cannot move.
 
-On a shared machine a one-page fetch's time moves by tens of percent between runs, more than most
-single changes to its Python path are worth. The number of instructions it executes does not move:
-this script runs each case in a child process under callgrind with counting switched on only
-around its loop (`callgrind_control -i on/off`), so start-up and set-up are not counted, and
-prints instructions per operation.
-
-A copy's instructions say little about its time (valgrind counts `rep movsb` once per byte), so
-each one-page case also counts a plain `np.copyto` of the same bytes, and the column that matters
-is the difference: the instructions the operation executes besides copying its bytes. The
-4-page `fetch-into-2MiB` gets no such column: glibc copies its 32 KiB pieces with `rep movsb`
-and one contiguous 2 MiB with a vector loop, so the two copies' counts are not comparable; its
-total still compares two versions of the code.
-
     python -m bench.profiling instructions                         # this checkout
     python -m bench.profiling instructions --before-site OLD_SITE  # an importable copy of older code too
 
-Needs valgrind (`apt-get install -y valgrind`); a run takes about a minute per case and side.
+Each case runs in a child process under callgrind with counting on only around its loop
+(`callgrind_control -i on/off`). valgrind counts `rep movsb` once per byte, so each one-page case
+also counts a plain `np.copyto` of the same bytes and prints the difference: what the operation
+executes besides copying. The 4-page `fetch-into-2MiB` gets no such column (glibc copies its
+32 KiB pieces and one contiguous 2 MiB differently); its total still compares two versions.
+Needs valgrind; about a minute per case and side (docs/performance.md, "Instructions per operation").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Concurrency scenario: many threads (in-process) or many clients (a sidecar, over shared memory
 and TCP) run random stores, fetches, lookups and model drops over overlapping prefixes, every
-operation logged, and the history checked (bench/reliability/history.py).
+operation logged, and the history checked (tests/concurrency_history.py).
 
 The sequences form a `Universe`: two models, each with the same roots (32 tokens, all beginning
 with one BOS token), each root with branches that share a stem of 0-23 tokens after it, then
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.reliability.history import (DROP, ERROR, FETCH, FULL, LOOKUP, LOST, NOT_FOUND, STORE, History, OpLog,
+from tests.concurrency_history import (DROP, ERROR, FETCH, FULL, LOOKUP, LOST, NOT_FOUND, STORE, History, OpLog,
                                        check_counters, check_history)
 from bench.reliability.pages import SPEC, expected_kv
 from bench.engines import Sidecar

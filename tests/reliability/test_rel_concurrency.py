@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.reliability.concurrency import Universe, run_in_process, run_restarts, run_sidecar
-from bench.reliability.history import DROP, FETCH, LOOKUP, NOT_FOUND, STORE, History, OpLog, check_counters, \
+from tests.concurrency_history import DROP, FETCH, LOOKUP, NOT_FOUND, STORE, History, OpLog, check_counters, \
     check_history
 
 

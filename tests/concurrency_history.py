@@ -3,7 +3,7 @@ for a cache whose KV is a known function of its tokens).
 
 Every operation is logged by the thread that ran it: its kind, model, sequence, start and end
 time (one monotonic clock for every thread) and its result. A sequence is `(root, branch, n)`
-of a `Universe` (bench/reliability/concurrency.py): the first n tokens of one branch of one
+of a `Universe` (bench/reliability/concurrency.py, which runs the operations): the first n tokens of one branch of one
 root. Sequences share tokens as the universe says (`Universe.common`), so how many leading
 tokens two sequences share is known without comparing tokens.
 
