@@ -1,4 +1,11 @@
-"""The HTTP sidecar (aiohttp app factory, wire format, server) and its Python clients.
+"""The HTTP sidecar and its Python clients, one sub-package per role:
+
+    server/   the data plane (every connection read, the data routes answered), what one app's
+              requests share, and serving it (`kvstore serve`, `InProcessSidecar`)
+    admin/    aiohttp's app of the admin routes (`create_app`)
+    client/   `KVStoreClient`, `AsyncKVStoreClient`
+    proxy/    `kvstore proxy`, in front of vLLM engines
+    protocol.py, framing.py, nesting.py: what the server and the client share
 
     from kvstore.api import create_app, KVStoreClient, AsyncKVStoreClient
 
