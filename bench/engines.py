@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -41,6 +42,16 @@ def child_env(**extra: str) -> dict[str, str]:
     bench/), after whatever PYTHONPATH names: an older kvstore there must stay the one measured."""
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def run_on_site(script: str, args: list[str], site: str) -> Any:
+    """`script ARGS --json FILE` with PYTHONPATH=`site` (an importable copy of other code), from
+    a temporary folder (so that `-c` and the script's folder put nothing else first): its JSON."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-site-") as tmp:
+        out = Path(tmp) / "out.json"
+        subprocess.run([sys.executable, str(Path(script).resolve()), *args, "--json", str(out)], check=True,
+                       env={**os.environ, "PYTHONPATH": site}, cwd=tmp, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
 
 
 # -- kvstore serve -------------------------------------------------------------------------------

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 import kvstore  # noqa: E402
 from bench import engines  # noqa: E402
-from bench.engines import RedisServer, Sidecar  # noqa: E402
+from bench.engines import RedisServer, Sidecar, run_on_site  # noqa: E402
 from bench.report import write_json  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
@@ -511,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.before_site:
         same = ["--rounds", str(rounds), "--seconds", str(seconds), "--paths", args.paths,
                 "--transports", args.transports, "--big-mib", str(args.big_mib)]
-        before = run_before(args.before_site, same + (["--no-redis"] if args.no_redis else []))
+        before = run_on_site(__file__, same + (["--no-redis"] if args.no_redis else []), args.before_site)
     print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
     torch.set_num_threads(1)
     procs: list[Sidecar | RedisServer] = []
@@ -580,14 +578,6 @@ def main(argv: list[str] | None = None) -> int:
         result = {"before": before, "after": result}
     write_json(args.json, result)
     return 0
-
-
-def run_before(site: str, args: list[str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="kvstore-ops-before-") as tmpdir:
-        out = Path(tmpdir) / "before.json"
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), *args, "--json", str(out)], check=True,
-                       env={**os.environ, "PYTHONPATH": site}, cwd=tmpdir, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
 
 
 def compare_table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:

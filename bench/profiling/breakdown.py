@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import signal
@@ -38,6 +37,7 @@ import kvstore  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
 from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes, settle_collector,  # noqa: E402
                        start_sidecar)
+from bench.engines import run_on_site  # noqa: E402
 from bench.report import write_json  # noqa: E402
 
 SIZES = ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 16))  # (spec, value bytes, prestored values)
@@ -323,6 +323,25 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
 
 
+def fetch_case(prestore: Callable[[list[int]], Any], fetch: Callable[[list[int]], Any], prompts: list[list[int]],
+               tokens: TokenSource, n_tokens: int, count: int, kv: Any, where: str,
+               run: Callable[[Callable[[int], Any]], dict]) -> dict:
+    """A fetch case: `count` prompts stored once, after the store cases (which evict), so every
+    fetch hits; the first checked to come back as stored, the last to hit after the run."""
+    if not prompts:
+        prompts.extend(tokens.take(n_tokens) for _ in range(count))
+        for p in prompts:
+            prestore(p)
+    got = fetch(prompts[0])
+    if got.matched_tokens != n_tokens or not same_bytes(got.kv, kv):
+        raise SystemExit(f"{where} fetch did not return the stored KV")
+    del got
+    out = run(lambda i: fetch(prompts[i % count]))
+    if fetch(prompts[-1]).matched_tokens != n_tokens:
+        raise SystemExit(f"{where} fetch missed")
+    return out
+
+
 def in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls, closers) -> list:
     store = KVStore(StoreConfig(data_dir=None, disk_bytes=0, cpu_bytes=TIER_BYTES))
     closers.append(store)
@@ -332,27 +351,12 @@ def in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls, closers) -
     prompts: list[list[int]] = []
     stored = [tokens.take(n_tokens) for _ in range(4 * calls + 64)]
 
-    def store_op(i: int) -> Any:
-        return store.store("m", stored[i], kv)
-
-    def fetch_op(i: int) -> Any:
-        return store.fetch("m", prompts[i % count])
-
     def store_job() -> dict:
-        return in_process_case(store_op, calls, 32)
+        return in_process_case(lambda i: store.store("m", stored[i], kv), calls, 32)
 
     def fetch_job() -> dict:
-        # Prestored after the store case (which evicts), so every fetch hits.
-        prompts.extend(tokens.take(n_tokens) for _ in range(count))
-        for p in prompts:
-            store.store("m", p, kv)
-        got = store.fetch("m", prompts[0])
-        if got.matched_tokens != n_tokens or not same_bytes(got.kv, kv):
-            raise SystemExit("in-process fetch did not return the stored KV")
-        out = in_process_case(fetch_op, calls, 32)
-        if store.fetch("m", prompts[-1]).matched_tokens != n_tokens:
-            raise SystemExit("in-process fetch missed")
-        return out
+        return fetch_case(lambda p: store.store("m", p, kv), lambda p: store.fetch("m", p), prompts, tokens,
+                          n_tokens, count, kv, "in-process", lambda fn: in_process_case(fn, calls, 32))
 
     label = size_label(nbytes)
     return [(f"in-process store {label}", store_job), (f"in-process fetch {label}", fetch_job)]
@@ -392,18 +396,9 @@ def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers,
         client = clients[transport]
 
         def fetch_job(client=client) -> dict:
-            if not prompts:  # prestored after the store cases (which evict), so every fetch hits
-                prompts.extend(tokens.take(n_tokens) for _ in range(count))
-                for p in prompts:
-                    admin.store("m", p, kv)
-            got = client.fetch("m", prompts[0])
-            if got.matched_tokens != n_tokens or not same_bytes(got.kv, kv):
-                raise SystemExit("sidecar fetch did not return the stored KV")
-            del got
-            out = sidecar_case(lambda i: client.fetch("m", prompts[i % count]), calls, 32, proc, prefix, counter)
-            if client.fetch("m", prompts[-1]).matched_tokens != n_tokens:
-                raise SystemExit("sidecar fetch missed")
-            return out
+            return fetch_case(lambda p: admin.store("m", p, kv), lambda p: client.fetch("m", p), prompts, tokens,
+                              n_tokens, count, kv, "sidecar",
+                              lambda fn: sidecar_case(fn, calls, 32, proc, prefix, counter))
 
         jobs.append((f"sidecar {transport} fetch {label}", fetch_job))
     return jobs
@@ -478,13 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--paths: expected in-process and/or sidecar, got {args.paths!r}")
     runs: list[tuple[str, dict[str, Any]]] = []
     if args.before_site:
-        with tempfile.TemporaryDirectory(prefix="kvstore-profile-before-") as tmpdir:
-            out = Path(tmpdir) / "before.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--paths", args.paths, "--json", str(out)]
-            env = {**os.environ, "PYTHONPATH": args.before_site}
-            subprocess.run(cmd + (["--quick"] if args.quick else []), check=True, env=env, cwd=tmpdir,
-                           stdout=subprocess.DEVNULL)
-            runs.append(("before", json.loads(out.read_text())["this run"]))
+        before = run_on_site(__file__, ["--paths", args.paths] + (["--quick"] if args.quick else []), args.before_site)
+        runs.append(("before", before["this run"]))
     print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
     runs.append(("after" if runs else "this run", run_all(args.quick, paths, tuple(args.serve_arg))))
     for label, run in runs:
