@@ -24,6 +24,7 @@ from kvstore.gpu import runtime
 from kvstore.gpu.dtypes import NUMPY_DTYPES
 from kvstore.gpu.paged import gather_pages, scatter_pages
 from kvstore.gpu.rope import rope_rerotate
+from kvstore.page_moves import promote as promote_page
 from kvstore.tiers.gpu import GPUTier
 
 H, D, P = 8, 128, 16
@@ -158,7 +159,7 @@ def tier_rows(spec: ModelSpec, n: int, rows: Rows) -> None:
         def promote() -> None:
             with lock:
                 for node, view in zip(nodes, views):
-                    tiers.promote(spec, node, view)
+                    promote_page(placement, tiers, spec, node, view)
 
         def back_on_gpu_only() -> None:
             promote()

@@ -29,6 +29,7 @@ from kvstore.gpu.dtypes import NUMPY_DTYPES
 from kvstore.host_copy import copy_into
 from kvstore.host_memory import empty_host_bytes
 from kvstore.index import TOKEN_BYTES, Node
+from kvstore.page_moves import promote as promote_page
 from kvstore.page_slice import WHOLE, PageSlice
 from kvstore.results import FetchResult
 from kvstore.store_state import StoreState, empty_kv
@@ -76,99 +77,109 @@ class FetchPlan:
         copy turned out lost). Unpins the pages, also when reading fails."""
         if not self._claim():
             raise RuntimeError("fetch plan: already run or released (a plan runs once)")
-        state, spec, start, dev, part = self.state, self.spec, self.start, self.dev, self.part
-        matched = self.matched_tokens
+        start, matched = self.start, self.matched_tokens
         if matched <= start:
-            return FetchResult(matched, empty_kv(spec, dev, part))
-        shape, dtype = part.kv_shape(spec, matched - start), TORCH_DTYPES[spec.dtype]
-        # The answer, (L, 2, T, H, D): on the host, a numpy array and the torch tensor over the
-        # same memory, for pages a codec decodes and for the caller. Raw pages are copied into it
-        # as bytes (a numpy view costs a fraction of a torch one): the answer as (L * 2) rows of
-        # T tokens' bytes, where a page's slot, (L * 2) rows of its n tokens' bytes, is one
-        # column range (`copy_raw_pages`).
-        rows = shape[0] * 2
-        row_bytes = part.bytes_per_token(spec) // rows  # one token's bytes in one (layer, K or V) row
-        out_array: np.ndarray | None = None
-        out_rows: np.ndarray | None = None
-        tiers = state.tiers
-        raw_buffers: dict[str, np.ndarray] = {}  # tiers whose pages are copied as bytes: none into a GPU answer
-        if on_cpu(dev):
-            into = self.into
-            nbytes = self.nbytes
-            flat = into.numpy()[:nbytes] if into is not None and into.numel() >= nbytes else empty_host_bytes(nbytes)
-            out_rows = flat.reshape(rows, nbytes // rows)
-            out_array = flat.view(NUMPY_DTYPES[spec.dtype]).reshape(shape)
-            out = torch.from_numpy(out_array)
-            if out.dtype != dtype:
-                out = out.view(dtype)  # bfloat16, which numpy holds as its bits
-            raw_buffers = tiers.raw_buffers
-        else:
-            out = torch.empty(shape, dtype=dtype, device=dev)
-        top = tiers.top
+            return FetchResult(matched, empty_kv(self.spec, self.dev, self.part))
+        out, out_array, out_rows, raw_buffers = self._buffer()
         promote: list[tuple[Node, torch.Tensor | np.ndarray]] = []
         lost: list[tuple[Node, str]] = []  # record copies that could not be read
-        records: dict[bytes, PageRecord | None] = {}
-        stream = None
-        promote_on_hit = state.config.promote_on_hit
-        reads = self.reads
-        copied = 0  # the reads before this one are in the answer's copies already
         # The raw pages' copies, made together once every page is planned (copy_threads.py
         # splits a large answer between threads); the pages stay pinned until they are done.
         uncopied: list[Copy] = []
         try:
-            for i, (node, first, used, tier, slot) in enumerate(reads):
-                lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
-                a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
-                if tier in raw_buffers:  # a raw page in host memory (so `out_rows` is the answer's)
-                    if i >= copied:
-                        assert out_rows is not None
-                        copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes, uncopied) \
-                            if part.whole else copy_raw_slices(reads, i, start, raw_buffers, out_rows, spec, part,
-                                                               uncopied)
-                    page: torch.Tensor | Literal[True] | None = True
-                else:
-                    # A slice is taken from the page decoded whole (a codec decodes whole pages).
-                    whole = lo == first and used == node.num_tokens and part.whole
-                    record = None
-                    if slot is None:
-                        if node.key not in records:
-                            if stream is None:  # payloads land in the answer where they can
-                                stream = tiers.record_batches(self.reads, spec, None if not part.whole else
-                                                              out if out_array is None else out_array, start)
-                            records = next(stream, {})
-                        record = records.pop(node.key, None)
-                    if record is not None and record.payload.__class__ is Landing:
-                        page = True  # landed in the answer, its header checked against this page (record_batches)
-                    else:
-                        page = tiers.read_page(spec, node, tier, slot, record, whole=whole, out=out[:, :, a:b])
-                    if page is None:  # the copy went bad (corrupt, evicted, unreachable): serve what came before it
-                        lost.append((node, tier))
-                        matched = first
-                        break
-                    if page is not True:
-                        copy_into(out[:, :, a:b], part.take(page)[:, :, lo - first:used])
-                if tier != top and promote_on_hit and lo == first and (part.whole or page is not True):
-                    if page is True:  # in the answer (whole): a raw host top tier takes its numpy view with one copy
-                        promote.append((node, out[:, :, a:b] if out_array is None else out_array[:, :, a:b]))
-                    elif page is not None:  # decoded whole on its own
-                        promote.append((node, page))
+            matched = self._read(out, out_array, out_rows, raw_buffers, promote, lost, uncopied)
             copy_all(uncopied)
-            uncopied = []
+            uncopied.clear()
         finally:
-            with state.lock:
-                # A fetch that failed before its copies ran has no answer to promote from.
-                for node, kv in promote if not uncopied else ():
-                    tiers.promote(spec, node, kv)
-                self._unpin()
-                for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
-                    if state.index.get(node.key) is node:
-                        state.placement.remove_from(node, tier)
-                state.drain_lost_copies()
-                if self.count:
-                    state.counters["fetched_tokens"] += max(0, matched - start)
+            # A fetch that failed before its copies ran has no answer to promote from.
+            self._finish(promote if not uncopied else [], lost, matched)
         if matched <= start:
-            return FetchResult(matched, empty_kv(spec, dev, part))
+            return FetchResult(matched, empty_kv(self.spec, self.dev, self.part))
         return FetchResult(matched, out if matched == self.matched_tokens else out[:, :, :matched - start])
+
+    def _buffer(self) -> tuple[torch.Tensor, np.ndarray | None, np.ndarray | None, dict[str, np.ndarray]]:
+        """buffer: the answer, (L, 2, T, H, D) -> (it as a tensor, as a numpy array, as rows, the
+        tiers whose pages are copied into the rows as bytes). On the host the array and the
+        tensor share memory (the caller's `into` when it fits): pages a codec decodes go into
+        the tensor, raw pages as bytes into the rows (a numpy view costs a fraction of a torch
+        one): the answer as (L * 2) rows of T tokens' bytes, where a page's slot, (L * 2) rows of
+        its n tokens' bytes, is one column range (`copy_raw_pages`). Into a GPU answer no page
+        is copied as bytes."""
+        spec, part = self.spec, self.part
+        shape, dtype = part.kv_shape(spec, self.matched_tokens - self.start), TORCH_DTYPES[spec.dtype]
+        if not on_cpu(self.dev):
+            return torch.empty(shape, dtype=dtype, device=self.dev), None, None, {}
+        into, nbytes = self.into, self.nbytes
+        flat = into.numpy()[:nbytes] if into is not None and into.numel() >= nbytes else empty_host_bytes(nbytes)
+        out_array = flat.view(NUMPY_DTYPES[spec.dtype]).reshape(shape)
+        out = torch.from_numpy(out_array)
+        if out.dtype != dtype:
+            out = out.view(dtype)  # bfloat16, which numpy holds as its bits
+        return out, out_array, flat.reshape(shape[0] * 2, nbytes // (shape[0] * 2)), self.state.tiers.raw_buffers
+
+    def _read(self, out: torch.Tensor, out_array: np.ndarray | None, out_rows: np.ndarray | None,
+              raw_buffers: dict[str, np.ndarray], promote: list[tuple[Node, torch.Tensor | np.ndarray]],
+              lost: list[tuple[Node, str]], uncopied: list[Copy]) -> int:
+        """read (any thread; the pages are pinned): every page into the answer, a raw page's copy
+        queued on `uncopied`, a lower tier's hit on `promote`, a copy found lost on `lost` (the
+        answer ends before it) -> the tokens matched."""
+        state, spec, start, part, reads = self.state, self.spec, self.start, self.part, self.reads
+        tiers = state.tiers
+        top, promote_on_hit = tiers.top, state.config.promote_on_hit
+        row_bytes = part.bytes_per_token(spec) // out.shape[0] // 2  # one token's bytes in one (layer, K or V) row
+        records: dict[bytes, PageRecord | None] = {}
+        stream = None
+        copied = 0  # the reads before this one are in the answer's copies already
+        for i, (node, first, used, tier, slot) in enumerate(reads):
+            lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
+            a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
+            if tier in raw_buffers:  # a raw page in host memory (so `out_rows` is the answer's)
+                if i >= copied:
+                    assert out_rows is not None
+                    copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes, uncopied) \
+                        if part.whole else copy_raw_slices(reads, i, start, raw_buffers, out_rows, spec, part, uncopied)
+                page: torch.Tensor | Literal[True] | None = True
+            else:
+                record = None
+                if slot is None:
+                    if node.key not in records:
+                        if stream is None:  # payloads land in the answer where they can
+                            stream = tiers.record_batches(reads, spec, None if not part.whole else
+                                                          out if out_array is None else out_array, start)
+                        records = next(stream, {})
+                    record = records.pop(node.key, None)
+                if record is not None and record.payload.__class__ is Landing:
+                    page = True  # landed in the answer, its header checked against this page (record_batches)
+                else:  # a slice is taken from the page decoded whole (a codec decodes whole pages)
+                    whole = lo == first and used == node.num_tokens and part.whole
+                    page = tiers.read_page(spec, node, tier, slot, record, whole=whole, out=out[:, :, a:b])
+                if page is None:  # the copy went bad (corrupt, evicted, unreachable): serve what came before it
+                    lost.append((node, tier))
+                    return first
+                if page is not True:
+                    copy_into(out[:, :, a:b], part.take(page)[:, :, lo - first:used])
+            if tier != top and promote_on_hit and lo == first and (part.whole or page is not True):
+                # In the answer (whole): a raw host top tier takes its numpy view with one copy;
+                # or decoded whole on its own.
+                promote.append((node, page if page is not True else out[:, :, a:b] if out_array is None
+                                else out_array[:, :, a:b]))
+        return self.matched_tokens
+
+    def _finish(self, promote: list[tuple[Node, torch.Tensor | np.ndarray]], lost: list[tuple[Node, str]],
+                matched: int) -> None:
+        """finish (under the lock): promote the lower tiers' hits, unpin, forget the copies found
+        lost, count the tokens fetched."""
+        state, spec = self.state, self.spec
+        with state.lock:
+            for node, kv in promote:
+                promote_page(state.placement, state.tiers, spec, node, kv)
+            self._unpin()
+            for node, tier in lost:  # after unpinning: losing a last copy drops the subtree
+                if state.index.get(node.key) is node:
+                    state.placement.remove_from(node, tier)
+            state.drain_lost_copies()
+            if self.count:
+                state.counters["fetched_tokens"] += max(0, matched - self.start)
 
     def release(self) -> None:
         """Give the plan up unread: unpin its pages. Nothing once it was run or released."""
@@ -212,8 +223,8 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
     lo = first if first >= start else start
     a = lo - start
     j = i + 1
-    if lo == first and used == n:  # whole: the pages right after it in the buffer join it
-        j = _run_end(reads, i, rows * page_width)
+    if lo == first and used == n and size == rows * page_width:  # whole, in a slot of its size (not
+        j = slot_run_end(reads, i)  # aligned longer): the pages right after it in the buffer join it
         if j - i > 1:
             k = j - i
             # (k pages, rows, width) of the buffer, read row by row into the answer's rows, where
@@ -228,19 +239,19 @@ def copy_raw_pages(reads: list[Read], i: int, start: int, buffers: dict[str, np.
     return j
 
 
-def _run_end(reads: list[Read], i: int, page_bytes: int) -> int:
-    """The index past read `i`, a whole raw page, and the reads right after it that are whole
-    pages of its size at the next offsets of the same buffer (a sequence stored at once usually
-    is; only a tail page is shorter); `i + 1` when its slot is not exactly its `page_bytes`
-    (a slot may be longer, aligned). The slot ranges come from the plan: the pages are pinned."""
+def slot_run_end(reads: list[Read], i: int) -> int:
+    """The index past read `i`, a page in a slot, and the reads right after it that use as many
+    tokens of pages in slots of the same size at the next offsets of the same tier's buffer: a
+    run of consecutive slots (a sequence stored at once usually is one; only a tail page is
+    shorter). The slot ranges come from the plan: the pages are pinned. The one walk over runs,
+    for the fetch's copies (`copy_raw_pages`, `copy_raw_slices`) and for pages handed out where
+    they lie (kvstore/pinned_fetch.py)."""
     _, _, used, tier, slot = reads[i]
-    assert slot is not None, "a raw page is read from its slot"
-    offset, size = slot
+    assert slot is not None, "a run is of pages in slots"
+    end, size = slot[0] + slot[1], slot[1]
     j = i + 1
-    if size != page_bytes:
-        return j
-    end = offset + size
-    while j < len(reads):
+    n = len(reads)
+    while j < n:
         _, _, next_used, next_tier, next_slot = reads[j]
         if next_tier != tier or next_slot is None or next_slot[0] != end or next_slot[1] != size or next_used != used:
             break
@@ -267,8 +278,8 @@ def copy_raw_slices(reads: list[Read], i: int, start: int, buffers: dict[str, np
     lo = first if first >= start else start
     a = lo - start
     j = i + 1
-    if lo == first and used == n:  # whole: the pages right after it in the buffer join it
-        j = _run_end(reads, i, page_bytes)
+    if lo == first and used == n and slot[1] == page_bytes:  # whole, in a slot of its size (not aligned
+        j = slot_run_end(reads, i)  # longer): the pages right after it in the buffer join it
     k = j - i
     # The k pages' slots as (k, rows, n, H) heads, each head's D values one element of a void
     # type (numpy copies an element with one memcpy, where bytes one at a time cost several

@@ -187,6 +187,10 @@ class PageIndex:
         parent.children[key] = node
         by_tokens[tokens] = node
         insort(parent.kid_tokens, tokens)  # siblings' tokens differ: its place is bisect_left's
+        if parent.parent is None and len(parent.children) == 1:
+            # A root's first page. The root may have been let go since the caller took it (the
+            # room for this page evicted the tree's last page, `unlink`): it is the tree's again.
+            self.roots.setdefault(parent.key, parent)
         return node
 
     def unlink(self, node: Node) -> None:

@@ -49,94 +49,27 @@ from kvstore.results import StoreResult
 from kvstore.store_state import StoreState
 
 
+# A part claimed in a page's staging buffer: (page key, its staging, first token, end token).
+Claim = tuple[bytes, PartialPage, int, int]
+
+
 def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: bytes, spec: ModelSpec, tb: bytes,
                kv: torch.Tensor, start: int, part: PageSlice) -> StoreResult:
     """Store `kv`, the slice `part` of tokens [start:]'s KV, as parts of their pages."""
-    P = spec.page_size
-    n_tokens = len(tb) // TOKEN_BYTES
     # The page holding `start` must be stored whole already: its first tokens' slice comes from it.
     moved = from_page_start(fetch, root_key, spec, tb, kv, start, part)
     if isinstance(moved, int):
         return StoreResult(moved, 0)
     kv, start = moved
-    parts, index = state.parts, state.index
-    claims: list[tuple[bytes, PartialPage, int, int]] = []  # (page key, its staging, first token, end)
-    held = 0
     with state.lock:
-        state.counters["stores"] += 1
-        parts.expire()
-        parent_key = root_key
-        parent = index.get(root_key)  # None: nothing of this tree is stored yet
-        for s in range(0, n_tokens, P):
-            e = min(s + P, n_tokens)
-            ptoks = tb[s * TOKEN_BYTES:e * TOKEN_BYTES]
-            key = page_key(parent_key, ptoks)
-            node = index.get(key)
-            if node is None and e - s < P and parent is not None:
-                node = covering_sibling(parent, ptoks)
-            if node is not None and node.tokens.startswith(ptoks):
-                # Stored whole, or being stored whole by another writer (every head of it is
-                # there): this part adds nothing.
-                parts.forget(key)
-                parent, parent_key, held = node, key, e
-                continue
-            parent = None  # past the first page not stored, every page's node is looked up by key only
-            page = parts.pages.get(key)
-            if s < start:
-                # The caller's prefix: this part must be held already (stored, or waiting for the others).
-                if page is None or part not in page.parts:
-                    break
-                parent_key, held = key, e
-                continue
-            if page is not None and part in page.parts:
-                parent_key, held = key, e  # the same part again: a no-op
-                continue
-            if page is not None:
-                rows, cols = page.cells(part, spec)
-                if page.claimed[rows, cols].any():
-                    for claimed_key, claimed_page, _, _ in claims:  # nothing of this call stays claimed
-                        _unclaim(parts, claimed_key, claimed_page, part, spec)
-                    raise PartConflict(f"{_field(part)}: this part overlaps a different part already stored for "
-                                       f"the page of tokens [{s}, {e}) (the writers split the page differently: "
-                                       f"{sorted(map(_show, page.parts))})", field=_field(part))
-            else:
-                page = parts.new_page(key, spec, e - s)
-                if page is None:
-                    if not claims:
-                        raise InsufficientStorage(f"store: the pages waiting for their other parts hold "
-                                                  f"part_bytes ({parts.max_bytes} bytes); none is taken")
-                    break
-            rows, cols = page.cells(part, spec)
-            page.claimed[rows, cols] = True
-            page.parts.add(part)
-            claims.append((key, page, s, e))
-            parent_key, held = key, e
+        claims, held = plan_parts(state, root_key, spec, tb, start, part)
     ok = False
     try:
-        copies = []
-        for _, page, s, e in claims:
-            dst, src = part.take(page.kv), kv[:, :, s - start:e - start]
-            dst_array, src_array = host_array(dst), host_array(src)
-            if dst_array is None or src_array is None:
-                dst.copy_(src)  # KV on a device: torch brings it to the host
-            else:
-                copies.append((dst_array, src_array))
-        copy_all(copies)
+        copy_parts(claims, kv, start, part)
         ok = True
     finally:
-        whole: list[tuple[bytes, PartialPage, int, int]] = []
         with state.lock:
-            for key, page, s, e in claims:
-                if not ok:
-                    _unclaim(parts, key, page, part, spec)
-                    held = min(held, s)
-                    continue
-                rows, cols = page.cells(part, spec)
-                page.written[rows, cols] = True
-                if page.whole and parts.pages.get(key) is page:
-                    # It stays staged until it is in the tree: a rank's next store, meanwhile,
-                    # finds its part of this page held (the page is in neither place otherwise).
-                    whole.append((key, page, s, e))
+            whole, held = publish_parts(state, claims, spec, part, ok, held)
     new_pages = 0
     try:
         for first, last in _runs(whole):
@@ -146,12 +79,98 @@ def store_part(state: StoreState, fetch: FetchHead, root_key: bytes, namespace: 
     finally:
         with state.lock:
             for key, page, _, _ in whole:
-                if parts.pages.get(key) is page:
-                    parts.forget(key)
+                if state.parts.pages.get(key) is page:
+                    state.parts.forget(key)
     return StoreResult(held, new_pages)
 
 
-def _runs(whole: list[tuple[bytes, PartialPage, int, int]]) -> Iterator[tuple[int, int]]:
+def plan_parts(state: StoreState, root_key: bytes, spec: ModelSpec, tb: bytes, start: int,
+               part: PageSlice) -> tuple[list[Claim], int]:
+    """plan (under the lock): this part's cells claimed in the staging buffers of the pages of
+    tokens [start:] the store does not hold -> (the claims, the tokens held: stored, or held
+    in parts with this one). Raises PartConflict (nothing claimed) or InsufficientStorage."""
+    P, n_tokens = spec.page_size, len(tb) // TOKEN_BYTES
+    parts, index = state.parts, state.index
+    claims: list[Claim] = []
+    held = 0
+    state.counters["stores"] += 1
+    parts.expire()
+    parent_key = root_key
+    parent = index.get(root_key)  # None: nothing of this tree is stored yet
+    for s in range(0, n_tokens, P):
+        e = min(s + P, n_tokens)
+        ptoks = tb[s * TOKEN_BYTES:e * TOKEN_BYTES]
+        key = page_key(parent_key, ptoks)
+        node = index.get(key)
+        if node is None and e - s < P and parent is not None:
+            node = covering_sibling(parent, ptoks)
+        if node is not None and node.tokens.startswith(ptoks):
+            # Stored whole, or being stored whole by another writer (every head of it is
+            # there): this part adds nothing.
+            parts.forget(key)
+            parent, parent_key, held = node, key, e
+            continue
+        parent = None  # past the first page not stored, every page's node is looked up by key only
+        page = parts.pages.get(key)
+        if page is not None and part in page.parts:
+            parent_key, held = key, e  # held already (the caller's prefix), or the same part again: a no-op
+            continue
+        if s < start:
+            break  # the caller's prefix must be held already (stored, or waiting for the other parts)
+        if page is None:
+            page = parts.new_page(key, spec, e - s)
+            if page is None:
+                if not claims:
+                    raise InsufficientStorage(f"store: the pages waiting for their other parts hold "
+                                              f"part_bytes ({parts.max_bytes} bytes); none is taken")
+                break
+        rows, cols = page.cells(part, spec)
+        if page.claimed[rows, cols].any():
+            for claimed_key, claimed_page, _, _ in claims:  # nothing of this call stays claimed
+                _unclaim(parts, claimed_key, claimed_page, part, spec)
+            raise PartConflict(f"{_field(part)}: this part overlaps a different part already stored for "
+                               f"the page of tokens [{s}, {e}) (the writers split the page differently: "
+                               f"{sorted(map(_show, page.parts))})", field=_field(part))
+        page.claimed[rows, cols] = True
+        page.parts.add(part)
+        claims.append((key, page, s, e))
+        parent_key, held = key, e
+    return claims, held
+
+
+def copy_parts(claims: list[Claim], kv: torch.Tensor, start: int, part: PageSlice) -> None:
+    """copy (outside the lock): the part, `kv` from token `start`, into its claimed cells."""
+    copies = []
+    for _, page, s, e in claims:
+        dst, src = part.take(page.kv), kv[:, :, s - start:e - start]
+        dst_array, src_array = host_array(dst), host_array(src)
+        if dst_array is None or src_array is None:
+            dst.copy_(src)  # KV on a device: torch brings it to the host
+        else:
+            copies.append((dst_array, src_array))
+    copy_all(copies)
+
+
+def publish_parts(state: StoreState, claims: list[Claim], spec: ModelSpec, part: PageSlice, ok: bool,
+                  held: int) -> tuple[list[Claim], int]:
+    """publish (under the lock): the claimed cells written (`ok`), or their claims taken back
+    -> (the pages made whole, to be stored; the tokens held)."""
+    whole: list[Claim] = []
+    for key, page, s, e in claims:
+        if not ok:
+            _unclaim(state.parts, key, page, part, spec)
+            held = min(held, s)
+            continue
+        rows, cols = page.cells(part, spec)
+        page.written[rows, cols] = True
+        if page.whole and state.parts.pages.get(key) is page:
+            # It stays staged until it is in the tree: a rank's next store, meanwhile, finds its
+            # part of this page held (the page is in neither place otherwise).
+            whole.append((key, page, s, e))
+    return whole, held
+
+
+def _runs(whole: list[Claim]) -> Iterator[tuple[int, int]]:
     """[first, last) index ranges of `whole` whose pages follow one another."""
     first = 0
     for i in range(1, len(whole) + 1):

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvstore.fetch_plan import FetchPlan
+from kvstore.fetch_plan import FetchPlan, slot_run_end
 from kvstore.gpu.dtypes import KV_DTYPES, NUMPY_DTYPES
 from kvstore.index import TOKEN_BYTES
 from kvstore.results import FetchResult
@@ -87,13 +87,7 @@ def page_runs(plan: FetchPlan) -> list[PageRun] | None:
                 or slot[1] < page_bytes or slot[1] % NUMPY_DTYPES[spec.dtype].itemsize:
             return None
         offset, stride = slot
-        j = i + 1
-        while j < len(reads):  # the whole pages at the next slots of the same buffer
-            _, next_first, next_used, next_tier, next_slot = reads[j]
-            if next_tier != tier or next_slot is None or next_slot[0] != offset + (j - i) * stride \
-                    or next_slot[1] != stride or next_used < P:
-                break
-            j += 1
+        j = slot_run_end(reads, i)  # the whole pages at the next slots of the same buffer
         runs.append(PageRun(first - start, _pages(buffers[tier], offset, stride, j - i, shape, spec.dtype)))
         i = j
     return runs

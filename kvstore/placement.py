@@ -1,8 +1,12 @@
 """Placement: which tier holds which page, byte accounting, eviction and demotion.
 
 This is the one place where pages move between tiers (docs/design.md §4, style rule 4). It decides;
-the store's `TierMover` does the byte copies. It is payload-free, so the eviction benchmark
-replays real traces through exactly this code with a mover that copies nothing.
+the store's `TierMover` (the tier stack) does the byte copies and never calls back: where a
+slot tier has no slot for a page although its bytes fit, the mover raises TierFull and placement
+evicts one more page and asks again (`evicting_while_full`). It is payload-free, so the eviction
+benchmark replays real traces through exactly this code with a mover that copies nothing. The
+store's moves that carry a page's bytes (a new page's room, a promotion, a write-through, saving
+memory pages at close) make room here first, then have the tier stack copy: kvstore/page_moves.py.
 
 - `make_room(tier, nbytes)` evicts victims chosen by the tier's policy until `nbytes` fit. A
   victim is demoted (write-back) to the next tier down that can take it; the bottom tier, or a
@@ -23,10 +27,12 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 from kvstore.index import Node, PageIndex
 from kvstore.policies import POLICIES, EvictionPolicy
+from kvstore.tiers.base import TierFull
 
 if TYPE_CHECKING:
     from kvstore.kv_events.recorder import KVEventRecorder
@@ -38,11 +44,13 @@ QUOTA_TIERS = ("gpu", "cpu")
 # A policy name from POLICIES, or a callable that makes one policy for a tier (the eviction
 # benchmark passes its offline Belady policy this way; the store always passes a name).
 PolicyFactory = Callable[[str], EvictionPolicy]
+T = TypeVar("T")
 
 
 class TierMover(Protocol):
     def copy_down(self, node: Node, src: str, dst: str) -> bool:
-        """Copy the page from tier `src` to `dst` (room is already made). False: could not."""
+        """Copy the page from tier `src` to `dst` (room is already made). False: could not.
+        Raises TierFull when `dst` has no slot free for it although the bytes fit."""
 
     def release(self, node: Node, tier: str) -> None:
         """Free the page's bytes in `tier`."""
@@ -299,6 +307,17 @@ class Placement:
         self.evict(victim, tier)
         return True
 
+    def evicting_while_full(self, tier: str, attempt: Callable[[], T]) -> T | None:
+        """`attempt()`, a slot's allocation in `tier` or a copy into one, once more after each
+        eviction from `tier` while it raises TierFull: `make_room` counts bytes, and a slot
+        tier's free ranges may be cut for other page sizes. None when nothing is left to evict."""
+        while True:
+            try:
+                return attempt()
+            except TierFull:
+                if not self.evict_one(tier):
+                    return None
+
     def evict(self, node: Node, tier: str) -> None:
         """Move `node` out of `tier`: demote it to the first lower tier that can take it, else
         drop it (and, with its last copy, its subtree)."""
@@ -311,7 +330,7 @@ class Placement:
                 room = self.make_room(lower, self.size_in(node, lower), node.namespace)
             finally:
                 node.pins -= 1
-            if room and self.mover.copy_down(node, tier, lower):
+            if room and self.evicting_while_full(lower, partial(self.mover.copy_down, node, tier, lower)):
                 self.add(node, lower, self.size_in(node, lower))
                 self.usage[tier].demotions += 1
                 break

@@ -21,6 +21,7 @@ tier (gpu, else cpu, else disk) that can make room.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from kvstore.fetch_plan import FetchPlan, plan_fetch
 from kvstore.index import TOKEN_BYTES
 from kvstore.keys import chunk_key, salt_root
 from kvstore.kv_events.recorder import KVEventRecorder, KVEventSink
+from kvstore.page_moves import save_memory_pages
 from kvstore.page_parts import store_part
 from kvstore.page_slice import WHOLE, PageSlice
 from kvstore.page_writes import store_pages
@@ -48,6 +50,8 @@ from kvstore.store_stats import store_stats
 from kvstore.validation import (CPU, check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
                                 check_salt, check_start_pos, token_bytes)
 
+
+log = logging.getLogger("kvstore.store")
 
 
 class KVStore:
@@ -77,7 +81,9 @@ class KVStore:
             if self._closed:
                 return
             self._closed = True
-            self._tiers.save_memory_pages(self._index)
+            saved = save_memory_pages(self._placement, self._tiers, self._index)
+            if saved:
+                log.info("close: %d memory-only pages written to %s", saved, self._tiers.persistent)
             if self._placement.events is not None:
                 self._placement.events.cleared()  # a closed store serves nothing
             self._tiers.close()

@@ -48,7 +48,6 @@ class StoreState:
         self.placement = Placement(self.index, tiers.capacities, config.policy, mover=tiers,
                                    size_in=tiers.size_in, raw_size_in=tiers.raw_size_in,
                                    tenant_of=self.registry.tenants_by_namespace.get)
-        tiers.placement = self.placement
         self.parts = PageParts(config.part_timeout_s, config.part_bytes)  # pages being written in parts
         self.clock = 0  # logical time of the last request that touched pages (policies' recency)
         self.counters = {"lookups": 0, "fetches": 0, "stores": 0, "lookup_hit_tokens": 0,

@@ -1,11 +1,13 @@
 """The tier stack: the configured tiers, their codecs, and every byte copy between them.
 
-`KVStore` decides (with `Placement`) *which* page goes *where*; this module does the moving:
-reserving and filling slots, encoding records, decoding a page out of whichever tier holds it,
-copying a page down a tier (it is the `TierMover` that `Placement` calls) or up into the top tier
-on a hit, and the byte cost of a page in each tier. Callers hold the store lock for everything
-that changes placement; `put_page` on a reserved slot, `read_page` and `record_batches` run
-outside it on pinned pages.
+`Placement` decides *which* page goes *where*; this module does the moving: allocating and
+filling slots, encoding records, decoding a page out of whichever tier holds it, copying a page
+down a tier (it is the `TierMover` that `Placement` calls) or into a slot of the top tier on a
+hit, and the byte cost of a page in each tier. It holds no reference to placement and never
+evicts: where a slot tier has no slot for a page (`allocate` raises TierFull), the caller, on
+placement's side, evicts and asks again (kvstore/page_moves.py, `Placement.evicting_while_full`).
+Callers hold the store lock for everything that changes placement; `put_page` on an allocated
+slot, `read_page` and `record_batches` run outside it on pinned pages.
 
 Top to bottom, the tiers of `TIER_TYPES` the config asks for: gpu (if `gpu_bytes`), cpu (if
 `cpu_bytes`), disk (if `disk_bytes`), redis (if `redis_url`). Every tier is driven through the
@@ -17,7 +19,6 @@ store copies a page's bytes with numpy, anywhere else through the tier's codec a
 """
 from __future__ import annotations
 
-import logging
 import warnings
 from functools import partial
 from typing import Any, Iterator, Literal
@@ -28,18 +29,14 @@ import torch
 from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
 from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import ModelSpec, StoreConfig
-from kvstore.index import Node, PageIndex
-from kvstore.placement import Placement
+from kvstore.index import Node
 from kvstore.registry import ModelRegistry
-from kvstore.tiers.base import (UNBOUNDED_BYTES, WRITTEN, PageRecord, RecordTier, Slot, SlotTier, Tier, TierFull,
-                                WriteTicket)
+from kvstore.tiers.base import UNBOUNDED_BYTES, WRITTEN, PageRecord, RecordTier, Slot, SlotTier, Tier, WriteTicket
 from kvstore.tiers.cpu import CPUTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GPUTier
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.redis_landing import Landing
-
-log = logging.getLogger("kvstore.store")
 
 # Every kind of tier, top first: each builds itself from the config (or is absent).
 TIER_TYPES: tuple[type[Tier], ...] = (GPUTier, CPUTier, DiskTier, RedisTier)
@@ -54,7 +51,6 @@ class TierStack:
     def __init__(self, config: StoreConfig, registry: ModelRegistry):
         self.config = config
         self.registry = registry
-        self.placement: Placement  # set by the store once placement exists (it needs this mover)
         self.tiers: dict[str, Tier] = {}  # by name, top first
         self.slot_tiers: dict[str, SlotTier] = {}  # the same tiers by kind
         self.record_tiers: dict[str, RecordTier] = {}
@@ -71,6 +67,7 @@ class TierStack:
                 assert isinstance(tier, RecordTier), f"{tier.name}: a tier is a SlotTier or a RecordTier"
                 self.record_tiers[tier.name] = tier
         self.capacities = [(name, tier.fillable_bytes) for name, tier in self.tiers.items()]  # top first
+        self.order = list(self.tiers)  # the tiers' names, top first (placement's order)
         self._sizes: dict[tuple[ModelSpec, int, str, bool], int] = {}
         # A page's bytes by (its namespace, its tokens' bytes, tier, without the codec), in front
         # of `size_for`'s memo: placement asks on every add and discard, and a spec's hash is a
@@ -110,50 +107,29 @@ class TierStack:
         return tier in self.slot_tiers
 
     def source_tier(self, node: Node) -> str:
-        for tier in self.placement.order:
+        """The top tier holding `node`: where it is read from."""
+        for tier in self.order:
             if tier in node.tiers:
                 return tier
         raise AssertionError(f"{node} is in the tree but in no tier")
 
-    def reserve(self, spec: ModelSpec, key: bytes, n: int,
-                namespace: bytes | None = None) -> tuple[str | None, int, Slot | None]:
-        """Room for a new page of `namespace` (its tenant's quota holds) in the top tier that has
-        it: (tier, bytes, its slot; None in a record tier)."""
-        for tier in self.placement.order:
-            nbytes = self.size_for(spec, n, tier)
-            if not self.placement.make_room(tier, nbytes, namespace):
-                continue
-            if tier in self.slot_tiers:
-                slot = self.allocate(tier, key, nbytes)
-                if slot is None:
-                    continue
-                return tier, nbytes, slot
-            return tier, nbytes, None
-        return None, 0, None
-
-    def allocate(self, tier: str, key: bytes, nbytes: int) -> Slot | None:
-        """A slot in a slot tier; evicts more when the slab is fragmented across page sizes."""
-        holder = self.slot_tiers[tier]
-        while True:
-            try:
-                return holder.allocate(key, nbytes)
-            except TierFull:
-                if not self.placement.evict_one(tier):
-                    return None
+    def allocate(self, tier: str, key: bytes, nbytes: int) -> Slot:
+        """A slot of `nbytes` for page `key` in a slot tier. Raises TierFull when none is free
+        although placement counts room (the slab is cut for other page sizes): placement evicts
+        one more page and asks again."""
+        return self.slot_tiers[tier].allocate(key, nbytes)
 
     def put_page(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
                  payload: torch.Tensor | None = None, slot: Slot | None = None) -> WriteTicket | None:
         """Write `node`'s page into `tier`, where room is made: encoded from `kv` (L, 2, n, H, D),
         or `payload`, its bytes already in the tier's codec. A slot tier takes it in `slot` (one
         is allocated here when None); a record tier gets a record. The write's ticket (a slot's
-        is set already); None when no slot could be had."""
+        is set already). Raises TierFull when `slot` is None and a slot tier has none free."""
         record_tier = self.record_tiers.get(tier)
         if record_tier is not None:
             return record_tier.put(self.record(spec, node, tier, kv=kv, payload=payload))
         if slot is None:
             slot = self.allocate(tier, node.key, self.size_in(node, tier))
-            if slot is None:
-                return None
         codec = self.codecs[tier]
         dst = self.slot_tiers[tier].view(slot, codec.encoded_bytes(spec, node.num_tokens))
         if payload is not None:
@@ -162,18 +138,6 @@ class TierStack:
             assert kv is not None, "put_page: kv or payload"
             codec.encode(spec, kv, dst)
         return WRITTEN
-
-    def write_through(self, spec: ModelSpec, node: Node, kv: torch.Tensor) -> WriteTicket | None:
-        """Also write a new page to the persistent tier (durability "write-through")."""
-        tier = self.persistent
-        if tier is None or tier in node.tiers:
-            return None
-        nbytes = self.size_in(node, tier)
-        if not self.placement.make_room(tier, nbytes):
-            return None
-        ticket = self.put_page(spec, node, tier, kv=kv)
-        self.placement.add(node, tier, nbytes)
-        return ticket
 
     def record(self, spec: ModelSpec, node: Node, tier: str, *, kv: torch.Tensor | None = None,
                 payload: torch.Tensor | None = None) -> PageRecord:
@@ -190,31 +154,18 @@ class TierStack:
                           tokens=node.tokens, codec=codec.name, dtype=spec.dtype, shape=spec.kv_shape(n),
                           payload=payload, kind="page" if node.root.key == node.namespace else "chunk")
 
-    def promote(self, spec: ModelSpec, node: Node, kv: torch.Tensor | np.ndarray) -> None:
-        """Copy a page served by a lower tier into the top tier (under the lock). `kv`: its KV
-        (L, 2, n, H, D) as a tensor, or as a numpy view of the fetch answer (gpu/dtypes.py
-        NUMPY_DTYPES), which a top tier in `raw_buffers` takes with one numpy copy."""
-        top = self.top
-        if top in node.tiers or top not in self.slot_tiers or not node.ready:
-            return
-        nbytes = self.size_in(node, top)
-        if not self.placement.make_room(top, nbytes, node.namespace):
-            return
-        slot = self.allocate(top, node.key, nbytes)
-        if slot is None:
-            return
-        buffer = self.raw_buffers.get(top)
+    def fill_slot(self, spec: ModelSpec, node: Node, tier: str, slot: Slot, kv: torch.Tensor | np.ndarray) -> None:
+        """Write `node`'s page into its allocated `slot` of `tier` (a hit promoted there). `kv`:
+        its KV (L, 2, n, H, D) as a tensor, or as a numpy view of the fetch answer (gpu/dtypes.py
+        NUMPY_DTYPES), which a tier in `raw_buffers` takes with one numpy copy."""
+        buffer = self.raw_buffers.get(tier)
         if isinstance(kv, np.ndarray):
             if buffer is not None:
                 offset = slot[0]
                 np.copyto(buffer[offset:offset + kv.nbytes].view(kv.dtype).reshape(kv.shape), kv, casting="no")
-            else:
-                kv_tensor = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
-                self.put_page(spec, node, top, kv=kv_tensor, slot=slot)
-        else:
-            self.put_page(spec, node, top, kv=kv, slot=slot)
-        self.placement.add(node, top, nbytes)
-        self.placement.usage[top].promotions += 1
+                return
+            kv = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
+        self.put_page(spec, node, tier, kv=kv, slot=slot)
 
     def record_batches(self, reads: list, spec: ModelSpec | None = None, out: torch.Tensor | np.ndarray | None = None,
                        start: int = 0) -> Iterator[dict[bytes, PageRecord | None]]:
@@ -291,6 +242,8 @@ class TierStack:
 
     # -- TierMover: Placement calls these under the store lock ---------------------------
     def copy_down(self, node: Node, src: str, dst: str) -> bool:
+        """Copy the page from tier `src` into `dst`, where placement made room. False: it could
+        not be read or encoded; raises TierFull when slot tier `dst` has no slot free for it."""
         spec = self.registry.specs_by_namespace.get(node.namespace)
         if spec is None:
             return False
@@ -307,8 +260,6 @@ class TierStack:
                 source.copy_out(node.key, spec, n, codec, payload).synchronize()
                 return self.put_page(spec, node, dst, payload=payload) is not None
             slot = self.allocate(dst, node.key, self.size_in(node, dst))
-            if slot is None:
-                return False
             source.copy_out(node.key, spec, n, codec, target.view(slot, nbytes)).synchronize()
             return True
         if source is not None:
@@ -360,27 +311,6 @@ class TierStack:
             codec = get_codec("none") if raw else self.codecs[tier]
             size = self._sizes[key] = self.tiers[tier].cost_bytes(spec, codec, num_tokens)
         return size
-
-    def save_memory_pages(self, index: PageIndex) -> None:
-        """Copy pages held only in memory tiers down to the persistent tier, parents first,
-        while room lasts."""
-        tier = self.persistent
-        if tier is None:
-            return
-        saved = 0
-        for node in sorted(index.nodes.values(), key=lambda n: n.depth):
-            if tier in node.tiers or not node.ready:
-                continue
-            if node.parent is not None and not node.parent.is_root and tier not in node.parent.tiers:
-                continue  # its parent did not make it: the page could not be matched after restart
-            nbytes = self.size_in(node, tier)
-            if not self.placement.fits(tier, nbytes):
-                continue  # closing must not evict older disk pages for newer memory ones
-            if self.copy_down(node, self.source_tier(node), tier):
-                self.placement.add(node, tier, nbytes)
-                saved += 1
-        if saved:
-            log.info("close: %d memory-only pages written to %s", saved, tier)
 
 
 def _describes(spec: ModelSpec, node: Node, record: PageRecord) -> bool:

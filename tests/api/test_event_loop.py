@@ -92,18 +92,18 @@ def test_a_lock_held_by_a_slow_promotion_never_stalls_the_loop(tmp_path, monkeyp
     config = _disk_only_store(tmp_path, kv, list(range(8)), list(range(100, 108)))
     with KVStore(config) as store:
         promoting, gate, looking_up = threading.Event(), threading.Event(), threading.Event()
-        promote, lookup = store._tiers.promote, store.lookup
+        fill_slot, lookup = store._tiers.fill_slot, store.lookup
 
         def slow_promote(*args):  # runs under the store's lock, as a copy into a busy GPU would
             promoting.set()
             gate.wait(GUARD_S)
-            promote(*args)
+            fill_slot(*args)
 
         def lookup_seen(*args, **kwargs):  # the lookup reached a pool thread: it waits for the lock there
             looking_up.set()
             return lookup(*args, **kwargs)
 
-        monkeypatch.setattr(store._tiers, "promote", slow_promote)
+        monkeypatch.setattr(store._tiers, "fill_slot", slow_promote)  # the copy of a promotion
         monkeypatch.setattr(store, "lookup", lookup_seen)
         server = LiveServer(store, ServerConfig(max_body_bytes=MAX_BODY_BYTES))
         try:

@@ -10,7 +10,8 @@ import torch
 from kv_tensors import random_kv
 
 from kvstore import ModelSpec
-from kvstore.errors import InvalidKV, InvalidModelName, InvalidStart, InvalidTokens, ModelConflict, ModelNotFound
+from kvstore.errors import (InsufficientStorage, InvalidKV, InvalidModelName, InvalidStart, InvalidTokens,
+                            ModelConflict, ModelNotFound)
 
 
 def test_store_then_fetch_is_bit_exact(make_store, spec):
@@ -363,3 +364,18 @@ def test_every_dtype_and_layout_round_trips_bit_exact_from_any_start(make_store,
         got = store.fetch("m", tokens, start=start)
         assert got.matched_tokens == 10 and got.kv.dtype == kv.dtype
         assert torch.equal(got.kv, kv[:, :, start:])
+
+
+def test_a_store_refused_for_room_leaves_its_cached_prefix_evictable(make_store, spec):
+    # Room for one page, which the prefix holds: its continuation finds no tier with room (the
+    # prefix is pinned while the store runs) and is refused; the prefix must not stay pinned. The
+    # next store's page takes its room, evicting the model's last page: it must be matchable.
+    store = make_store(cpu_bytes=spec.page_bytes, disk_bytes=0, data_dir=None)
+    store.register_model("m", spec)
+    store.store("m", [1, 2, 3, 4], random_kv(spec, 4, seed=1))
+    with pytest.raises(InsufficientStorage):
+        store.store("m", [1, 2, 3, 4, 5, 6, 7, 8], random_kv(spec, 8, seed=2))
+    kv = random_kv(spec, 4, seed=3)
+    assert store.store("m", [9, 10, 11, 12], kv).stored_tokens == 4  # the prefix's page made room
+    assert torch.equal(store.fetch("m", [9, 10, 11, 12]).kv, kv)
+    assert store.lookup("m", [1, 2, 3, 4]).matched_tokens == 0
