@@ -9,11 +9,8 @@ index at start scans `meta` only. Records written but not yet committed are serv
 `_pending`, so a page is readable the moment `put` returns. `put` returns a `threading.Event`
 that is set once the record is committed (write-through waits for it).
 
-Reads: one read transaction per batch of keys (`read_ahead`), with `buffers=True`, so a value is
-a view into the map and a payload is copied once, out of the map into where the caller keeps it
-(a fetch answer's slices, `landings`: one strided copy a page; or a fresh tensor), and its checksum
-is verified over that copy, while it is in cache. A header is decoded once per key and the bytes it
-was decoded from (`_header`).
+Reads: one read transaction per batch of keys (`read_ahead`), in tiers/disk_reader.py: a
+payload is copied once, out of the map into where the caller keeps it, and checksummed there.
 
 What the tier does not do: decide capacity or eviction (the store's placement does); a write
 that still fails at the largest map size is reported through `take_failed()` so the store can
@@ -26,18 +23,15 @@ import os
 import queue
 import shutil
 import threading
-from collections import deque
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 import lmdb
-import numpy as np
-import torch
 import zstandard
 
 from kvstore.tiers.base import PageRecord, RecordTier, WriteTicket
 from kvstore.tiers.disk_open import open_environment
-from kvstore.tiers.disk_record import (CorruptRecord, decode_header, encode_header, header_to_record,
-                                      payload_checksum, payload_digest)
+from kvstore.tiers.disk_reader import DiskReader, MapLock
+from kvstore.tiers.disk_record import CorruptRecord, decode_header, encode_header, header_to_record
 
 if TYPE_CHECKING:
     from kvstore.config import StoreConfig
@@ -51,45 +45,6 @@ _STOP = object()
 MAX_BATCH_BYTES = 64 << 20
 DISK_FILL_FRACTION = 0.9  # LMDB needs room for its own pages beyond the records:
 LMDB_RESERVED_BYTES = 128 << 10  # 10% for B-tree pages and the free list, plus its meta pages
-HEADER_CACHE_ENTRIES = 4096  # decoded headers kept (a header is its token ids plus ~150 bytes)
-
-
-class _ReadWriteLock:
-    """Many readers or one map resizer: LMDB's set_mapsize needs no open transaction in the
-    process. Reads take it on every batch and resizes are rare, so a reader takes one plain
-    mutex twice and notifies only when a resizer waits; a waiting resizer holds new readers
-    back (a steady stream of reads cannot starve it)."""
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._changed = threading.Condition(self._mutex)  # readers reached 0, or the resizer is done
-        self._readers = 0
-        self._writer = False  # a resizer holds it or waits for it
-
-    def acquire_read(self) -> None:
-        with self._mutex:
-            while self._writer:
-                self._changed.wait()
-            self._readers += 1
-
-    def release_read(self) -> None:
-        with self._mutex:
-            self._readers -= 1
-            if self._writer and not self._readers:
-                self._changed.notify_all()
-
-    def acquire_write(self) -> None:
-        with self._mutex:
-            while self._writer:  # one resizer at a time (only the writer thread resizes)
-                self._changed.wait()
-            self._writer = True
-            while self._readers:
-                self._changed.wait()
-
-    def release_write(self) -> None:
-        with self._mutex:
-            self._writer = False
-            self._changed.notify_all()
 
 
 class DiskTier(RecordTier):
@@ -124,13 +79,12 @@ class DiskTier(RecordTier):
         self.env = open_environment(path, self._map_bytes, sync=sync)
         self._meta = self.env.open_db(b"meta")
         self._data = self.env.open_db(b"data")
-        self._rw = _ReadWriteLock()
+        self._rw = MapLock()
         self._pending: dict[bytes, object] = {}  # key -> PageRecord or _DELETE, until committed
         self._pending_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_pages)
         self._failed: list[bytes] = []
-        # key -> (header bytes, what `_header` decoded from them)
-        self._headers: dict[bytes, tuple[bytes, tuple[PageRecord, str, int, int]]] = {}
+        self._reader = DiskReader(self.env, self._meta, self._data, self._rw, self._corrupt)
         self.corrupt_records = 0
         self.write_errors = 0
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
@@ -163,7 +117,7 @@ class DiskTier(RecordTier):
         return done
 
     def delete(self, key: bytes) -> bool:
-        self._headers.pop(key, None)
+        self._reader.forget(key)
         with self._pending_lock:
             self._pending[key] = _DELETE
         self._queue.put((key, _DELETE, None))
@@ -188,7 +142,7 @@ class DiskTier(RecordTier):
         to_read = keys
         # A key whose last write is still queued is answered from `_pending`. Tested without the
         # lock first (one dict test; under the GIL it is either empty or not): when it is empty,
-        # every write `put` has returned for is committed, so the transaction below sees it.
+        # every write `put` has returned for is committed, so the reader's transaction sees it.
         if self._pending:
             to_read = []
             with self._pending_lock:
@@ -198,82 +152,8 @@ class DiskTier(RecordTier):
                         to_read.append(key)
                     elif pending is not _DELETE:
                         records[key] = pending  # type: ignore[assignment]
-        bad: list[tuple[bytes, str]] = []
-        txn: lmdb.Transaction | None = None
-        self._rw.acquire_read()
-        try:
-            # buffers=True: values are views into the map, valid until the transaction ends; every
-            # byte a caller keeps is copied out of them (into its landing or a fresh tensor) first.
-            for key in to_read:
-                try:
-                    if txn is None:
-                        txn = self.env.begin(buffers=True)
-                    records[key] = self._read(txn, key, landings.get(key) if landings else None)
-                except (CorruptRecord, zstandard.ZstdError) as exc:
-                    bad.append((key, str(exc)))
-                except lmdb.Error as exc:  # a damaged B-tree or overflow page under this record
-                    bad.append((key, f"{type(exc).__name__}: {exc}"))
-                    if txn is not None:
-                        txn.abort()  # it may be unusable now: the next key gets a fresh one
-                        txn = None
-        finally:
-            if txn is not None:
-                txn.abort()
-            self._rw.release_read()
-        for key, why in bad:  # after the lock: a delete may wait on the writer, which may wait on it
-            self._corrupt(key, why)
+        self._reader.read_into(records, to_read, landings)
         return records
-
-    def _read(self, txn: lmdb.Transaction, key: bytes, landing: Landing | None) -> PageRecord | None:
-        """One record out of a read transaction with buffers; raises CorruptRecord. An
-        uncompressed payload is checksummed where it was copied to, right after the copy (in
-        cache then; the map's bytes are read once): the bytes verified are the bytes served."""
-        meta = txn.get(key, db=self._meta)
-        if meta is None:
-            return None
-        payload = txn.get(key, db=self._data)
-        head, compression, size, checksum = self._header(key, meta)
-        if payload is None or len(payload) != size:
-            raise CorruptRecord("payload size mismatch")
-        if compression == "zstd":
-            if payload_checksum(payload) != checksum:
-                raise CorruptRecord("payload checksum mismatch")
-            return head.with_payload(zstandard.ZstdDecompressor().decompress(payload))
-        if landing is not None and landing.rows.nbytes == size and landing.accepts(head):
-            rows = landing.rows
-            np.copyto(rows, np.frombuffer(payload, dtype=np.uint8).reshape(rows.shape))
-            if rows.flags.c_contiguous:  # one piece (a one-page answer, or a single row)
-                served = payload_checksum(rows)
-            else:  # the streaming xxh3-64, row by row: the same digest over the same bytes
-                digest = payload_digest()
-                deque(map(digest.update, rows), maxlen=0)  # each row in order, no Python loop per row
-                served = digest.intdigest()
-            if served != checksum:
-                raise CorruptRecord("payload checksum mismatch")
-            return head.with_payload(landing)
-        copy = torch.empty(size, dtype=torch.uint8)
-        copied = copy.numpy()
-        np.copyto(copied, np.frombuffer(payload, dtype=np.uint8))
-        if payload_checksum(copied) != checksum:
-            raise CorruptRecord("payload checksum mismatch")
-        return head.with_payload(copy)
-
-    def _header(self, key: bytes, meta: memoryview) -> tuple[PageRecord, str, int, int]:
-        """What a read needs of `key`'s header: its record (payload None), compression, stored
-        size and payload checksum. Decoding (crc32, msgpack, field checks) is remembered per key
-        with the header bytes it was decoded from: it is a function of those bytes, so a record
-        whose header changed on disk in any byte is decoded and checked afresh, and the payload
-        checksum is still verified on every read."""
-        value = bytes(meta)  # then compared as bytes: a memoryview compares byte by byte
-        cached = self._headers.get(key)
-        if cached is not None and cached[0] == value:
-            return cached[1]
-        header = decode_header(value, key)
-        found = (header_to_record(header), header["comp"], header["size"], header["checksum"])
-        if len(self._headers) >= HEADER_CACHE_ENTRIES:
-            self._headers.clear()  # bounded, no recency bookkeeping: a re-read decodes again
-        self._headers[key] = (value, found)
-        return found
 
     def __contains__(self, key: bytes) -> bool:
         with self._pending_lock:
