@@ -1,7 +1,8 @@
 """CacheBlend on the real model: quality against a full prefill per selection rule and ratio, and TTFT.
 
-    python bench/blend_quality.py [--workload langref|packages] [--prompts 100] [--ratios 0,0.05,0.15,0.3,1]
-                                  [--json out.json] [--plot docs/cacheblend.png] [--ttft-lengths 2048,4096,6144]
+    python bench/blend_quality.py [--workload langref|packages] [--prompts 100] [--ratios 0,0.15,0.3]
+                                  [--rules-at 0.3:rule] [--time-budget-s S] [--json out.json]
+                                  [--plot docs/cacheblend.png] [--ttft-lengths 2048,4096,6144]
 
 Model: SmolLM2-135M-Instruct (`--model smollm2`, float32, 30 layers). Workloads
 (bench/blend_workload.py, built from `--seed`): `langref`, sections of Python's language
@@ -23,13 +24,15 @@ through in one teacher-forced pass. Per prompt, along the reference answer:
   greedy8   of the blended greedy answer's first 8 tokens (decoded on from the first
             disagreement), the fraction equal to the reference's (all of it if shorter)
   needle    needle prompts: the blended greedy answer names the planted number
-Variants (decode/blend_selection.py), each at every ratio: `rule` (the decode loop's
-`TokenSelection()`, or what --first-share/--query-share/--select-layer/--narrowing make of it),
-and its controls `random` and `first` (the first tokens of every chunk) on the same schedule, so
-each recomputes the same number of tokens per layer; `--variants` adds others by name
-(label:key=value,...; keys: rule, first_share, query_share, select_layer, narrowing as 4/2/1,
-score). r = 0 is the stored chunks as they are; r = 1 recomputes everything (exactly a full
-prefill). The prefix (system prompt) is exact in every run, as prefix reuse makes it.
+Variants (decode/blend_selection.py), at every ratio unless `--rules-at` names the labels for a
+ratio (by default only `rule` at 0.3): `rule` (the decode loop's `TokenSelection()`, or what
+--first-share/--query-share/--select-layer/--narrowing make of it), and its controls `random` and
+`first` (the first tokens of every chunk) on the same schedule, so each recomputes the same number
+of tokens per layer; `--variants` adds others by name (label:key=value,...; keys: rule,
+first_share, query_share, select_layer, narrowing as 4/2/1, score). r = 0 is the stored chunks as
+they are; r = 1 recomputes everything (exactly a full prefill). The prefix (system prompt) is exact
+in every run, as prefix reuse makes it. `--time-budget-s` starts no prompt past that many seconds:
+a run on a shared machine ends with a whole report over the prompts that fitted.
 
 TTFT. Prompts of `--ttft-lengths` tokens from the same documents: a full prefill against
 CacheBlend at `--ttft-ratio` with every chunk and the prefix warm, from an in-process CPU tier
@@ -69,7 +72,11 @@ from kvstore.decode.paged_cache import BlockTable, PagedKVCache  # noqa: E402
 from kvstore.decode.recompute import selective_recompute  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
-RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
+# The figures docs/cacheblend.md reports: no recompute, the rule and both controls at the target
+# ratio, the rule at twice it. r = 1 (a full prefill) and other ratios run when asked for: each is
+# another recompute of every prompt (tests/decode/test_decode_blend.py checks r = 1 on every rule).
+RATIOS = (0.0, 0.15, 0.3)
+RULES_AT = "0.3:rule"
 TARGETS = {"kl_vs_r0": 0.15, "kl_vs_r0_at_0.3": 0.10, "kl_vs_better_control": 0.7, "greedy8": 7 / 8,
            "needle_gap_points": 3.0, "ttft_ratio_4k": 0.35}
 TARGET_RATIO = 0.15
@@ -304,19 +311,24 @@ class Evaluator:
 
 def evaluate_quality(model: LlamaModel, prompts: list[BlendPrompt], variants: list[Variant], answer_tokens: int,
                      bar: tqdm, reference_dir: Path | None = None,
-                     on_prompt: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Every prompt through every variant; `on_prompt` gets the figures so far after each prompt."""
+                     on_prompt: Callable[[dict[str, Any]], None] | None = None,
+                     deadline: float | None = None) -> dict[str, Any] | None:
+    """Every prompt through every variant, in order, starting none past `deadline` (a
+    time.perf_counter() value); `on_prompt` gets the figures so far after each prompt. None if no
+    prompt ran."""
     per_prompt = []
     # A prompt's chunks must fit (6k tokens of SmolLM2 KV is ~0.3 GiB); past that, older chunks are
     # evicted and computed again when a later prompt draws them. More only costs the host memory.
     with KVStore(StoreConfig(data_dir=None, cpu_bytes=1 << 30, disk_bytes=0)) as store:
         evaluator = Evaluator(model, store, answer_tokens, reference_dir)
         for prompt in prompts:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             per_prompt.append(evaluator.evaluate(prompt, variants))
             bar.update(1)
             if on_prompt is not None:
                 on_prompt(quality_summary(per_prompt, variants, evaluator))
-        return quality_summary(per_prompt, variants, evaluator)
+        return quality_summary(per_prompt, variants, evaluator) if per_prompt else None
 
 
 def quality_summary(per_prompt: list[dict[str, Any]], variants: Sequence[Variant],
@@ -355,12 +367,11 @@ def measure_ttft(model: LlamaModel, workload: Workload, lengths: Sequence[int], 
         backends: dict[str, Any] = {"cpu": stack.enter_context(KVStore(StoreConfig(data_dir=None, cpu_bytes=2 << 30,
                                                                                    disk_bytes=0)))}
         if sidecar:
-            from bench.ttft import start_sidecar
+            from bench.engines import Sidecar, serve_args
             from kvstore.api.client import KVStoreClient
 
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-blend-")))
-            proc, url = start_sidecar(tmp)
-            stack.callback(lambda: (proc.terminate(), proc.wait(timeout=30)))
+            url = stack.enter_context(Sidecar(tmp / "sidecar", serve_args("1GiB"))).url
             backends["sidecar"] = stack.enter_context(KVStoreClient(url))
         for length in lengths:
             p = ttft_prompt(workload, length)
@@ -481,10 +492,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="langref", help=f"one of {', '.join(WORKLOADS)}")
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--skip", type=int, default=0, help="leave out the workload's first prompts")
+    parser.add_argument("--time-budget-s", type=float,
+                        help="start no prompt after this many seconds; the report counts the prompts that ran")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     parser.add_argument("--rules", default=",".join(("rule", *CONTROLS)), help="rule and the controls to run")
-    parser.add_argument("--rules-at", default="", help="only these labels at these ratios: R:label,...;R:...")
+    parser.add_argument("--rules-at", default=RULES_AT,
+                        help="only these labels at these ratios: R:label,...;R:... ('' for every rule at every ratio)")
     parser.add_argument("--first-share", type=float, help="the rule's share of each chunk's first tokens")
     parser.add_argument("--query-share", type=float, help="the rule's share of the question's attention")
     parser.add_argument("--select-layer", type=int, help="the first layer that narrows (the rule's and controls')")
@@ -572,13 +586,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{q['prompts']}/{len(prompts)} {time.perf_counter() - started:.0f}s] KL/greedy8: {line}", flush=True)
 
     with tqdm(total=steps, desc="blend", unit="step", file=sys.stderr, mininterval=30) as bar:
+        deadline = started + args.time_budget_s if args.time_budget_s is not None else None
         quality = evaluate_quality(model, prompts, variants, args.answer_tokens, bar, reference_dir,
-                                   on_prompt=progress) if prompts else None
+                                   on_prompt=progress, deadline=deadline) if prompts else None
         ttft = measure_ttft(model, workload, lengths, args.ttft_ratio, args.ttft_repeats, not args.no_sidecar,
                             bar) if lengths else None
     report: dict[str, Any] = {"model": args.model, "source": source,
                               "workload": vars(config) | {"doc_tokens": list(config.doc_tokens)},
-                              "skip": args.skip, "targets": TARGETS, "quality": quality, "ttft": ttft,
+                              "skip": args.skip, "prompts_asked": len(prompts), "time_budget_s": args.time_budget_s,
+                              "targets": TARGETS, "quality": quality, "ttft": ttft,
                               "verdicts": verdicts(quality, ttft), "threads": torch.get_num_threads()}
     print_table(quality, ttft)
     for what, ok in report["verdicts"].items():

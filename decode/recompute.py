@@ -11,7 +11,7 @@ Following CacheBlend (Yao et al., EuroSys 2025, §4.2-4.3), layer by layer:
               `keep[l]` go on through this layer's attention and MLP to layer l + 1, picked by
               the selection rule (decode/blend_selection.py) from how far their K/V deviated
               from the cached K/V, the chunks' openings and the question's attention (gradual
-              filtering: by default 2r at layer 1, r after)
+              filtering: by default 4r at layer 1, 2r at 2, 1.5r at 3, r from 4 on)
 
 Attention of a recomputed token reads the cache as it is (fresh K/V where computed, reused
 elsewhere) under a causal mask by true positions. With `ratio = 1` every token is recomputed
