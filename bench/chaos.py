@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ from bench.reliability.corruption import run_flips, run_page_damage, run_payload
 from bench.reliability.crash import run_crash  # noqa: E402
 from bench.reliability.full_disk import run_full_disk  # noqa: E402
 from bench.reliability.load import run_load  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,9 +184,8 @@ def _print(rows: list[tuple[str, str]], reports: dict[str, object], json_path: s
     print("| scenario | result | command |\n|---|---|---|")
     for name, result in rows:
         print(f"| {name} | {result} | `python bench/chaos.py` |")
-    if json_path:
-        Path(json_path).write_text(json.dumps({k: {f: v for f, v in dataclasses.asdict(r).items() if f != "latencies_s"}  # type: ignore[call-overload]
-                                               for k, r in reports.items()}, indent=1, default=str))
+    write_json(json_path, {k: {f: v for f, v in dataclasses.asdict(r).items() if f != "latencies_s"}  # type: ignore[call-overload]
+                           for k, r in reports.items()})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ optimum. Capacities are fractions of the trace's unique blocks (with a dot) or b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -23,6 +22,7 @@ from tqdm import tqdm
 
 from kvstore.config import StoreConfig
 
+from bench.report import pyplot, write_json
 from bench.research.belady import BeladyPolicy
 from bench.research.policies import BENCH_POLICIES
 from bench.research.replay import CompiledTrace, NextUse, ReplayResult, compile_trace, replay
@@ -82,11 +82,7 @@ def summary_table(results: list[dict], policies: list[str]) -> str:
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(r["policy"] for r in results):
         points = sorted((r["capacity_fraction"], r["hit_ratio"]) for r in results if r["policy"] == policy)
         style = {"linestyle": "--", "color": "black"} if policy == BELADY else {"marker": "o"}
@@ -145,10 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         print(summary_table(results, policies))
         reports.append({"trace": trace.name, "requests": trace.requests,
                         "unique_blocks": trace.unique_blocks, "results": results})
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        out = reports[0] if len(reports) == 1 else reports
-        Path(args.json_path).write_text(json.dumps(out, indent=1))
+    write_json(args.json_path, reports[0] if len(reports) == 1 else reports)
     if args.plot_path:
         plot(reports[0]["results"], args.plot_path, f"{reports[0]['trace']}: hit ratio vs capacity")
 

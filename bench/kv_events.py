@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from kvstore.keys import page_key, tokens_bytes  # noqa: E402
 from kvstore.kv_events.log import KVEventLog  # noqa: E402
 from tests.kv_event_view import KVEventView  # noqa: E402
 from kvstore.kv_events.wire import TIER_MEDIA, block_hash  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", page_size=4)
 MODELS = (("m", None), ("m", "acme"), ("other", None))  # (name, tenant): three namespaces
@@ -420,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"alone: {cost['report_us_per_event']:.2f} us to report an event, "
                   f"{cost['pack_us_per_event']:.2f} us to pack one")
             out["cost"] = cost
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
     return 0 if exact.exact else 1
 
 

@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
+from bench.report import write_json  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               "store_blocks_seen_on_gpu": len(store_blocks & gpu_blocks),
               "every_store_block_is_a_gpu_block": bool(store_blocks) and store_blocks <= gpu_blocks}
     print(json.dumps(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return 0 if result["every_store_block_is_a_gpu_block"] else 1
 
 

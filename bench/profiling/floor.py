@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import struct
 import sys
 import threading
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bench.ops import GC_YOUNG_THRESHOLD, KIB, SPEC_64K, Case, TokenSource, Values, run_round  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
 
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -241,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         timed.append({"step": name, "us": us})
         print(f"| {name} | {us:.2f} |")
     print(f"| sum | {sum(t['us'] for t in timed):.2f} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"cases": rows, "floor_fetch_steps": timed}, indent=2))
+    write_json(args.json, {"cases": rows, "floor_fetch_steps": timed})
     return 0
 
 
