@@ -126,7 +126,6 @@ class FetchPlan:
         state, spec, start, part, reads = self.state, self.spec, self.start, self.part, self.reads
         tiers = state.tiers
         top, promote_on_hit = tiers.top, state.config.promote_on_hit
-        row_bytes = part.bytes_per_token(spec) // out.shape[0] // 2  # one token's bytes in one (layer, K or V) row
         records: dict[bytes, PageRecord | None] = {}
         stream = None
         copied = 0  # the reads before this one are in the answer's copies already
@@ -136,7 +135,8 @@ class FetchPlan:
             if tier in raw_buffers:  # a raw page in host memory (so `out_rows` is the answer's)
                 if i >= copied:
                     assert out_rows is not None
-                    copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows, row_bytes, uncopied) \
+                    copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows,
+                                            part.bytes_per_token(spec) // out_rows.shape[0], uncopied) \
                         if part.whole else copy_raw_slices(reads, i, start, raw_buffers, out_rows, spec, part, uncopied)
                 page: torch.Tensor | Literal[True] | None = True
             else:

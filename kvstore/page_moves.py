@@ -17,8 +17,6 @@ All under the store's lock.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import torch
 
@@ -42,7 +40,7 @@ def reserve(placement: Placement, tiers: TierStack, spec: ModelSpec, key: bytes,
             continue
         if not tiers.keeps_slots(tier):
             return tier, nbytes, None
-        slot = placement.evicting_while_full(tier, partial(tiers.allocate, tier, key, nbytes))
+        slot = placement.evicting_while_full(tier, tiers.allocate, tier, key, nbytes)
         if slot is not None:
             return tier, nbytes, slot
     return None, 0, None
@@ -58,7 +56,7 @@ def promote(placement: Placement, tiers: TierStack, spec: ModelSpec, node: Node,
     nbytes = tiers.size_in(node, top)
     if not placement.make_room(top, nbytes, node.namespace):
         return
-    slot = placement.evicting_while_full(top, partial(tiers.allocate, top, node.key, nbytes))
+    slot = placement.evicting_while_full(top, tiers.allocate, top, node.key, nbytes)
     if slot is None:
         return
     tiers.fill_slot(spec, node, top, slot, kv)

@@ -27,8 +27,7 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar
 
 from kvstore.index import Node, PageIndex
 from kvstore.policies import POLICIES, EvictionPolicy
@@ -307,13 +306,13 @@ class Placement:
         self.evict(victim, tier)
         return True
 
-    def evicting_while_full(self, tier: str, attempt: Callable[[], T]) -> T | None:
-        """`attempt()`, a slot's allocation in `tier` or a copy into one, once more after each
-        eviction from `tier` while it raises TierFull: `make_room` counts bytes, and a slot
+    def evicting_while_full(self, tier: str, attempt: Callable[..., T], *args: Any) -> T | None:
+        """`attempt(*args)`, a slot's allocation in `tier` or a copy into one, once more after
+        each eviction from `tier` while it raises TierFull: `make_room` counts bytes, and a slot
         tier's free ranges may be cut for other page sizes. None when nothing is left to evict."""
         while True:
             try:
-                return attempt()
+                return attempt(*args)
             except TierFull:
                 if not self.evict_one(tier):
                     return None
@@ -330,7 +329,7 @@ class Placement:
                 room = self.make_room(lower, self.size_in(node, lower), node.namespace)
             finally:
                 node.pins -= 1
-            if room and self.evicting_while_full(lower, partial(self.mover.copy_down, node, tier, lower)):
+            if room and self.evicting_while_full(lower, self.mover.copy_down, node, tier, lower):
                 self.add(node, lower, self.size_in(node, lower))
                 self.usage[tier].demotions += 1
                 break
