@@ -38,7 +38,7 @@ def reserve(placement: Placement, tiers: TierStack, spec: ModelSpec, key: bytes,
         nbytes = tiers.size_for(spec, n, tier)
         if not placement.make_room(tier, nbytes, namespace):
             continue
-        if not tiers.keeps_slots(tier):
+        if tier not in tiers.slot_tiers:
             return tier, nbytes, None
         slot = placement.evicting_while_full(tier, tiers.allocate, tier, key, nbytes)
         if slot is not None:

@@ -70,7 +70,8 @@ def store_pages(state: StoreState, fetch: FetchHead, root_key: bytes, namespace:
     finally:
         with state.lock:
             stored_tokens = publish(state, spec, kv, start, writes, path, shares, durable, ok, stored_tokens)
-    wait_durable(durable)
+    if durable:
+        wait_durable(durable)
     return StoreResult(stored_tokens, len(writes))
 
 
@@ -164,11 +165,12 @@ def copy_pages(tiers: TierStack, spec: ModelSpec, kv: torch.Tensor, start: int,
     kv_array = host_array(kv) if writes and kv_bytes is None else None
     raw_buffers = tiers.raw_buffers if kv_bytes is not None or kv_array is not None else {}
     copies: list[Copy] = []  # the raw pages' copies, made together (copy_threads.py)
+    token_bytes = spec.bytes_per_token
     for node, tier, slot, s, e in writes:
         buffer = raw_buffers.get(tier)
         if buffer is not None and slot is not None:
-            dst = buffer[slot[0]:slot[0] + (e - s) * spec.bytes_per_token]
-            copies.append(raw_page_copy(spec, dst, kv_bytes, kv_array, s - start, e - start))
+            dst = buffer[slot[0]:slot[0] + (e - s) * token_bytes]
+            copies.append(raw_page_copy(spec, token_bytes, dst, kv_bytes, kv_array, s - start, e - start))
         else:
             ticket = tiers.put_page(spec, node, tier, kv=kv[:, :, s - start:e - start], slot=slot)
             assert ticket is not None, "a page with its room reserved is written"
@@ -179,14 +181,14 @@ def copy_pages(tiers: TierStack, spec: ModelSpec, kv: torch.Tensor, start: int,
     return durable, shares
 
 
-def raw_page_copy(spec: ModelSpec, dst: np.ndarray, kv_bytes: np.ndarray | None, kv_array: np.ndarray | None,
-                  a: int, b: int) -> Copy:
+def raw_page_copy(spec: ModelSpec, token_bytes: int, dst: np.ndarray, kv_bytes: np.ndarray | None,
+                  kv_array: np.ndarray | None, a: int, b: int) -> Copy:
     """The copy of tokens [a, b) of the KV (`kv_bytes`, its bytes when contiguous, else
-    `kv_array`, a typed view) into `dst`, a raw page's slot bytes in host memory."""
+    `kv_array`, a typed view; `token_bytes` a token's) into `dst`, a raw page's slot bytes in
+    host memory."""
     if kv_bytes is None:
         assert kv_array is not None
         return dst.view(kv_array.dtype).reshape(spec.kv_shape(b - a)), kv_array[:, :, a:b]
-    token_bytes = spec.bytes_per_token
     if a == 0 and b * token_bytes == kv_bytes.size:  # the page is all of the KV
         return dst, kv_bytes
     rows = 2 * spec.num_layers  # a row: one layer's K or V, of every token
