@@ -225,22 +225,27 @@ class Evaluator:
 
     def chunk_kv(self, prompt: BlendPrompt) -> torch.Tensor:
         """The chunks' stored standalone KV at their places in `prompt`: (L, 2, C, H, D). A chunk the
-        store does not hold yet is computed alone at positions 0..n-1 and stored, once per run."""
-        name = self.model.name
+        store does not hold is computed alone at positions 0..n-1 and stored. Each chunk is read
+        back as soon as it is known to be there: the store's eviction may drop an earlier chunk of
+        the same prompt to make room for a later one, so asking for them all at the end can miss."""
+        name, offset, parts = self.model.name, len(prompt.prefix), []
         for chunk in prompt.chunks:
-            if self.store.blend(name, [chunk], start_pos=0).hits[0]:
+            found = self.store.blend(name, [chunk], start_pos=offset)
+            if found.hits[0]:
                 self.chunks_reused += 1
-                continue
-            cache, table = self._table(len(chunk))
-            try:
-                self._forward(chunk, 0, cache, table, "none")
-                self.store.store_chunk(name, chunk, cache.gather(table, 0, len(chunk)))
-            finally:
-                cache.release(table)
-            self.chunks_computed += 1
-        found = self.store.blend(name, prompt.chunks, start_pos=len(prompt.prefix))
-        assert all(found.hits), "the store evicted a chunk within one prompt: give it more cpu_bytes"
-        return torch.as_tensor(found.kv)
+            else:
+                cache, table = self._table(len(chunk))
+                try:
+                    self._forward(chunk, 0, cache, table, "none")
+                    self.store.store_chunk(name, chunk, cache.gather(table, 0, len(chunk)))
+                finally:
+                    cache.release(table)
+                self.chunks_computed += 1
+                found = self.store.blend(name, [chunk], start_pos=offset)
+                assert found.hits[0], "the store did not keep a chunk it was just given: give it more cpu_bytes"
+            parts.append(torch.as_tensor(found.kv))  # (L, 2, n, H, D), K re-rotated to `offset`
+            offset += len(chunk)
+        return torch.cat(parts, dim=2)
 
     def evaluate(self, prompt: BlendPrompt, variants: Sequence[Variant]) -> dict[str, Any]:
         model, n_prefix = self.model, len(prompt.prefix)
@@ -317,8 +322,8 @@ def evaluate_quality(model: LlamaModel, prompts: list[BlendPrompt], variants: li
     time.perf_counter() value); `on_prompt` gets the figures so far after each prompt. None if no
     prompt ran."""
     per_prompt = []
-    # A prompt's chunks must fit (6k tokens of SmolLM2 KV is ~0.3 GiB); past that, older chunks are
-    # evicted and computed again when a later prompt draws them. More only costs the host memory.
+    # Room for several prompts' chunks (6k tokens of SmolLM2 KV is ~0.3 GiB); past that, older chunks
+    # are evicted and computed again when a later prompt draws them. More only costs the host memory.
     with KVStore(StoreConfig(data_dir=None, cpu_bytes=1 << 30, disk_bytes=0)) as store:
         evaluator = Evaluator(model, store, answer_tokens, reference_dir)
         for prompt in prompts:
