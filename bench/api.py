@@ -1,11 +1,9 @@
-"""Sidecar store/fetch throughput and latency on loopback, shared memory and TCP, 1 and 8 clients,
-beside redis-py SET/GET of the same bytes (the faster of hiredis and its pure-Python parser) on
-a local redis-server, alternated in rounds in one run; also the loopback TCP ceiling.
+"""Sidecar store/fetch throughput and latency over shared memory and TCP, 1 and 8 clients, beside
+redis-py SET/GET of the same bytes on a local redis-server, alternated in rounds in one run.
 
     python bench/api.py [--seconds 3] [--rounds 3] [--json out.json]
 
-The cells, targets and figures: docs/performance.md, "Sidecar against Redis". The sidecar imports
-the kvstore this process does: `PYTHONPATH=/old/site python bench/api.py` measures another one.
+docs/performance.md, "Sidecar against Redis". `PYTHONPATH=/old/site` measures another kvstore.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Run every reliability scenario at full size and print the README's Reliability table.
 
-    python bench/chaos.py [--json FILE] [--load-s 60] [--crash-rounds 25] [--page-trials 500]
-                          [--concurrency-ops 1000000] [--only corruption|concurrency|audit]
+    python bench/chaos.py [--json FILE] [--load-s 60] [--only corruption|concurrency|audit]
                           [--audit-hits 200] [--audit-vllm-hits 100]
 
-Scenarios live in bench/reliability/ (tests/reliability/ runs the same code small). Hostile
-input (schemathesis, hypothesis) and tenants are tests only: `pytest tests/reliability`.
+Scenarios live in bench/reliability/ (tests/reliability/ runs the same code small).
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Disaggregated serving through the store, against one engine serving the same mix.
+"""Disaggregated serving through the store (`kvstore serve`, a kv_producer, a kv_consumer, `kvstore
+proxy`) against one vLLM engine serving the same mix of streaming decoders and long prompts: the
+decoders' time per token alone and while the prompts arrive, and the prompts' TTFT.
 
-    python bench/disagg.py [--long-tokens 1800] [--long-prompts 4] [--decoders 3] [--decode-tokens 48]
-                           [--json out.json]
+    python bench/disagg.py [--decode-tokens 48] [--json out.json]
 
-The real model on vLLM's OpenAI server (CPU build), each engine a process of its own. Two
-deployments on the same requests: `one engine` (vLLM alone, its prefix cache on) and `disagg`
-(`kvstore serve`, a kv_producer, a kv_consumer, `kvstore proxy`). The mix: `--decoders`
-streaming chat requests decoding `--decode-tokens` tokens and, once all decode, `--long-prompts`
-distinct prompts of `--long-tokens` tokens of Python's documentation, one after another (16
-tokens each). Reported: the decoders' time per token alone and while the long prompts arrive
-(the stall a prefill causes), and the long prompts' TTFT and total (docs/disaggregation.md).
+The mix, the deployments and the figures: docs/disaggregation.md.
 """
 from __future__ import annotations
 

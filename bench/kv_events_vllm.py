@@ -1,15 +1,10 @@
-"""A real vLLM engine with kvstore as its connector and vLLM's KV events on: the connector's
-events reach vLLM's subscribers in vLLM's own stream, beside vLLM's GPU events.
+"""A real vLLM engine with kvstore as its connector and KV events on: the connector's events reach
+vLLM's subscribers in vLLM's own stream beside its GPU events, each connector block ("CPU") one
+vLLM reported on the GPU under the same hash. Not part of `make test` (an engine start is slow).
 
     python bench/kv_events_vllm.py [--model DIR] [--prompts 3] [--prompt-tokens 200]
 
-One engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the real model
-(`kvstore model pull smollm2`, or any checkpoint with --model), an in-process store (CPU tier),
-`--kv-events-config` publishing on an ipc:// endpoint; a SUB socket decodes every batch with
-vLLM's own `KVEventBatch` decoder (msgspec). Prints how many
-BlockStored events each medium had and whether every block the connector reported in the store
-("CPU") is one vLLM reported on the GPU under the same hash. (An engine start takes tens of
-seconds on a small CPU machine: this is not part of `make test`.)
+docs/kv_events.md says what it shows.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""A cache-aware router in a few lines: which of N sidecars holds the longest prefix of a request.
+"""A cache-aware router in a few lines: which of N sidecars holds the longest prefix of a request,
+from their KV events (what llm-d's KV-cache indexer does with vLLM's), checked against what each
+sidecar then serves.
 
     python bench/kv_router.py [--sidecars 3] [--documents 6] [--requests 30] [--seed 0]
 
-What llm-d's KV-cache indexer does with vLLM's events, on kvstore's: per sidecar the blocks it
-holds and in which medium, under keys of its own chained over the events' token ids, and a
-request scored by the run of leading blocks a sidecar holds, each weighted by its best medium
-(`WEIGHTS`). The demo routes requests among N in-process stores, each publishing as `kvstore
-serve` does, and checks each sidecar serves the prefix the router predicted (docs/kv_events.md).
+docs/kv_events.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
-"""Makes the working tree importable as `kvstore` on a machine with no network where nothing of
-the project is installed (a borrowed GPU machine: bench/gpu_check.sh runs this first).
+"""Makes the working tree importable as `kvstore` on a machine with no network and nothing of the
+project installed (bench/gpu_check.sh runs this first on a borrowed GPU machine).
 
     python bench/offline_stage.py STAGE [--wheels .whl] [--check MODULE ...]
 
-STAGE becomes a folder to put first on PYTHONPATH:
-
-- `STAGE/kvstore`: the package as an install lays it out (pyproject.toml's package-dir: the
-  repository's kvstore/, with api/, tiers/, gpu/ and decode/ as its subpackages), made of symlinks
-  into the working tree, so what runs is the tree itself. `PYTHONPATH=.` does not do this: the
-  top-level folders map to `kvstore.*` only when installed.
-- the wheels in `--wheels` (bench/gpu_wheels.sh fills .whl/) whose distribution this interpreter
-  lacks and whose tags it runs, unpacked as an install would (file modes kept: the
-  compute-sanitizer wheel carries executables). Wheels of distributions already installed are
-  left alone: the machine's own builds come first.
-
-Then it imports what each unpacked wheel installs and each `--check` module from the stage, and
-prints where each came from; any failure is a clear message and exit status 2. Needs only the
-standard library.
+STAGE (to put first on PYTHONPATH) gets `kvstore/` as symlinks into the tree laid out as
+pyproject.toml's package-dir maps it, and the `--wheels` this interpreter lacks, unpacked; then
+each is imported from the stage. Any failure is a message and exit status 2. Standard library only.
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Per-operation cost of the hot path: one-page and four-page store and fetch, a fetch into a
-caller's buffer, a disk-tier fetch, and the same through the sidecar, each beside a memcpy of the
-same bytes, a dict and redis-py, timed call by call in interleaved blocks in one run.
+"""Per-operation cost of the hot path (one- and four-page store and fetch, fetch into a caller's
+buffer, a disk-tier fetch, the same through the sidecar), each beside a memcpy, a dict and
+redis-py, timed call by call in interleaved blocks in one run.
 
     python bench/ops.py [--quick] [--rounds 5] [--seconds 0.4] [--json FILE] [--paths ...] [--no-redis]
                         [--before-site DIR]
 
-The baselines and what the figures mean: docs/performance.md, "Per-operation cost". The kvstore
-measured is whichever `import kvstore` finds (printed first): `PYTHONPATH=/old/site python
-bench/ops.py`, or `--before-site /old/site` for both in one run and one table.
+docs/performance.md, "Per-operation cost". `PYTHONPATH=/old/site` or `--before-site` measures older code.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""The vLLM connector's copies on vLLM's CPU backend, each against a plain copy of the same bytes.
+"""The vLLM connector's copies into and out of vLLM's CPU-backend blocks (SmolLM2-135M-Instruct's
+shapes), each against a plain copy of the same bytes. Needs vLLM's CPU build.
 
     python bench/paged_copy.py [--tokens 1024 2048 4096 8192] [--json FILE]
 
-SmolLM2-135M-Instruct's shapes, the backend's own block arrangement probed as the connector
-probes it. Rows: one copy of the bytes (memcpy); a hit's scatter by torch's strided copies, by
-the pages joined then vLLM's own cache-write op (the connector's way), by that op reading the
-pages where they lie one token offset at a time, and by that op from one contiguous answer (a
-sidecar's fetch); a miss's gather. Needs vLLM's CPU build; each figure the best of `--repeats`
-(docs/vllm.md and docs/performance.md, "The vLLM connector's copy into vLLM's blocks").
+The rows and figures: docs/performance.md, "The vLLM connector's copy into vLLM's blocks".
 """
 from __future__ import annotations
 

@@ -1,24 +1,22 @@
 """Cost of a lookup miss, a partial hit and a tail-page store as the store fills with prompts that
-all begin with the same token (BOS), as every prompt of a real engine does.
+all begin with BOS, per store size, and the ratio to the smallest size (flat: no growth).
 
     python bench/prefix_scale.py [--sizes 1000,10000,50000] [--json out.json]
 
-Each prompt is BOS + 39 random ids. Per size: a lookup whose first page misses inside its
-BOS-led first page (the partial-match search), a lookup that hits 20 tokens, a store of a new
-prompt; µs per call (medians of repeats) and the ratio to the smallest size, flat when the cost
-does not grow with what the store holds. `PYTHONPATH=<older copy>` measures older code.
+`PYTHONPATH=<older copy>` measures older code.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
 import sys
 import tempfile
 
-if importlib.util.find_spec("kvstore") is None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.append(REPO)
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402

@@ -1,11 +1,9 @@
-"""Redis tier throughput: a 2 MiB page fetched through the store's Redis tier against a raw
-redis-py GET of the same value, and a multi-page fetch pipelined against page-by-page.
+"""Redis tier throughput: a 2 MiB page fetched through a Redis-only store against a raw redis-py GET,
+and a multi-page fetch pipelined against page by page, each pair interleaved in one run.
 
-    python bench/redis_tier.py [--pages 32] [--repeat 9] [--one-page-repeat N] [--redis-url redis://...] \
-        [--json out.json]
+    python bench/redis_tier.py [--pages 32] [--repeat 9] [--redis-url redis://...] [--json out.json]
 
-A Redis-only store, so every fetch reads Redis; without --redis-url a redis-server of its own on
-loopback. Each row interleaves its two sides in one run (docs/redis.md, "Measurements").
+docs/redis.md, "Measurements".
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Tier throughput: CPU and disk store/fetch of 2 MiB pages against a plain torch copy of the
-same bytes, disk store with zstd on and off, and lookup cost per page at 8k-128k tokens.
+"""Tier throughput: CPU and disk store/fetch of 2 MiB pages as ratios to a torch copy of the same
+bytes in the same run, disk store with zstd on and off, and lookup cost per page at 8k-128k tokens.
 
     python bench/tiers.py [--pages 64] [--repeat 5] [--json out.json]
-
-Speeds are ratios against the torch copy measured in the same run (machines here are shared
-and noisy); absolute MB/s are printed for context only.
 """
 from __future__ import annotations
 

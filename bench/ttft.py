@@ -1,13 +1,9 @@
-"""Time to first token of the decode loop: full prefill vs a prefix hit, per tier and via the sidecar.
+"""Time to first token of the decode loop: a full prefill against a prefix hit from an in-process CPU
+tier, an in-process LMDB tier and `kvstore serve` (or `--server`), and each one's break-even prefix.
 
-    python bench/ttft.py [--model smollm2] [--lengths 1024,2048,4096,8000] [--json out.json] [--server URL]
+    python bench/ttft.py [--model smollm2|random|DIR] [--json out.json] [--server URL]
 
-For each prompt length: a full prefill, then hits of all but the last page from an in-process CPU
-tier, an in-process LMDB tier (through the OS page cache) and `kvstore serve` (or `--server`),
-each the best of `--repeats`; then the break-even prefix per backend. The real model on real text
-(docs/performance.md, "Time to first token"); `--model DIR` takes any Llama-style checkpoint,
-`--model random` a cheap 4-layer random Llama. Targets at 8k tokens: in-process <= 0.1x full
-prefill, sidecar <= 0.2x.
+Targets and figures: docs/performance.md, "Time to first token".
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""Eight concurrent requests that share a long prefix, each with a suffix of its own, on vLLM with
-and without kvstore: throughput and time to first token, in one run.
+"""Eight concurrent requests sharing a long prefix on vLLM with and without kvstore: throughput and
+time to first token, in one run, each engine a fresh process, the store `kvstore serve`.
 
-    python bench/vllm_concurrency.py [--prefix-tokens 2048] [--suffix-tokens 64] [--requests 8]
-                                     [--output-tokens 32] [--random-model] [--json out.json]
+    python bench/vllm_concurrency.py [--prefix-tokens 2048] [--requests 8] [--random-model] [--json out.json]
 
-The real model on vLLM's CPU build, each engine a fresh process, the store `kvstore serve` on
-loopback. A batch is every request at once, with suffixes no earlier batch used: vLLM with the
-prefix cached and with nothing cached (a fresh cache_salt a request); kvstore with the prefix in
-vLLM's cache and the store, and in the store only (vLLM's cache emptied), loads in the step and
-`load_async`. TTFT is a batch of one output token; throughput, requests/s of a batch of
-`--output-tokens`; each the best of `--repeats` batches (docs/vllm.md, "Eight requests at once").
+The rows and figures: docs/vllm.md, "Eight requests at once".
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""Pages shared across tensor-parallel degrees, on the real model: vLLM engines at TP=1 and TP=`--tp`
-reuse each other's pages (and the decode loop's) with the same text, a rank's failed store leaves
-nothing served, P/D runs across degrees, and a cross-degree hit's TTFT.
+"""Pages shared across tensor-parallel degrees on the real model: engines at TP=1 and TP=`--tp`
+reuse each other's pages and the decode loop's, a rank's failed store leaves nothing served, P/D
+runs across degrees, and a cross-degree hit's TTFT is timed. Each engine a fresh process.
 
-    python bench/vllm_tp.py [--tp 3] [--tokens 2048] [--check-tokens 512] [--repeats 3] [--skip-pd]
-                            [--json out.json]
+    python bench/vllm_tp.py [--tp 3] [--tokens 2048] [--repeats 3] [--skip-pd] [--json out.json]
 
-Every engine a fresh process whose ranks share the machine's cores, all on one `kvstore serve`
-sidecar; prompts of Python's documentation, `--tokens` long where a hit is timed or reused
-across degrees, `--check-tokens` where only answers are compared. The steps, the checks and the
-figures: docs/vllm.md, "On the real model at TP=3".
+The steps, checks and figures: docs/vllm.md, "On the real model at TP=3".
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""vLLM's time to first token with kvstore as its KV connector, against a full prefill and against
-vLLM's own prefix cache, in one run: an in-process store (CPU tier, then its disk tier after a
-restart), a sidecar through shared memory and over TCP; the connector's own time by its timers.
+"""vLLM's time to first token with kvstore as its KV connector (in-process CPU and disk tiers, a
+sidecar over shared memory and TCP) against a full prefill and vLLM's own prefix cache, in one run.
 
     python bench/vllm_ttft.py [--sizes 1024,2048,4096,8191] [--json out.json] [--random-model] [--audit-rate R]
 
-The real model (SmolLM2-135M-Instruct) on Python's documentation as text, each engine a fresh
-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); `--random-model` needs no download. The engines, the
-rows, the targets and the figures: docs/vllm.md, "Performance".
+The engines, rows, targets and figures: docs/vllm.md, "Performance".
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""What refusing deep nesting costs a normal request body: the whole decode, and the depth
-check alone, in the same run (best of several repeats, microseconds per body).
+"""What refusing deep nesting costs a normal request body: the whole JSON or msgpack decode and the
+depth check alone, in the same run (µs per body).
 
     python -m bench.profiling body-depth
-
-The depth check of a JSON body is api/nesting.json_too_deep; of a msgpack body, the difference
-between framing.unpack_map with wire.MAX_BODY_DEPTH (what decode_msgpack passes) and without.
 """
 from __future__ import annotations
 

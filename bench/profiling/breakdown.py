@@ -1,14 +1,10 @@
-"""Where the time goes: a profiler's breakdown of a one-page (64 KiB) and a four-page (2 MiB)
-store and fetch, in-process and through the sidecar (shared memory and TCP), in µs per call.
+"""Where the time goes: cProfile self times of one-page (64 KiB) and four-page (2 MiB) stores and
+fetches, in-process and through the sidecar, grouped into categories and scaled to each case's
+unprofiled p50 (µs per call). The sidecar's event loop thread is profiled between SIGUSR1 and SIGUSR2.
 
-    python -m bench.profiling breakdown [--quick] [--json FILE]
-    python -m bench.profiling breakdown --before-site DIR [--quick]   # older code (PYTHONPATH=DIR) and this one
+    python -m bench.profiling breakdown [--quick] [--json FILE] [--before-site DIR]
 
-Each case runs unprofiled for its p50, then under cProfile; each category's share of the
-profiled self time is scaled to the p50 (docs/performance.md, "Where the time goes"). The
-sidecar runs under this harness's launcher, whose profiler SIGUSR1 switches on and SIGUSR2 off
-and dumps; only its event loop's thread is profiled, and uvloop's own C is invisible to cProfile
-(`--serve-arg=--event-loop=asyncio` profiles the same app on asyncio's loop).
+docs/performance.md, "Where the time goes".
 """
 from __future__ import annotations
 
@@ -36,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 import kvstore  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
 from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes, settle_collector,  # noqa: E402
-                       start_sidecar)
+                       size_name, start_sidecar)
 from bench.engines import run_on_site  # noqa: E402
 from bench.report import write_json  # noqa: E402
 
@@ -84,44 +80,26 @@ BUILTIN_RULES = [
     (("xxh", "blake2", "digest", "hexdigest", "sha1", "sha256", "md5"), "token hashing and tree match"),
     (("msgpack", "Packer", "Unpacker", "unpackb", "packb"), "msgpack framing"),
 ]
-# Python code by the file it is in (the first rule whose fragment is in the path wins).
+# Python code by the file it is in (the first rule with a fragment in the path wins).
 FILE_RULES = [
-    ("bench/", "harness"),
-    ("cProfile", "harness"),
-    ("kvstore/validation.py", "validation"),
-    ("kvstore/config.py", "validation"),
-    ("kvstore/keys.py", "token hashing and tree match"),
-    ("kvstore/index.py", "token hashing and tree match"),
-    ("kvstore/placement.py", "placement and policy bookkeeping"),
-    ("kvstore/policies/", "placement and policy bookkeeping"),
-    ("kvstore/shadow.py", "placement and policy bookkeeping"),
-    ("kvstore/store_state.py", "placement and policy bookkeeping"),
-    ("kvstore/tier_stack.py", "placement and policy bookkeeping"),
-    ("tiers/slots.py", "placement and policy bookkeeping"),
-    ("tiers/cpu.py", "placement and policy bookkeeping"),
-    ("tiers/base.py", "placement and policy bookkeeping"),
-    ("kvstore/host_copy.py", "copy"),
-    ("kvstore/copy_threads.py", "copy"),
-    ("kvstore/results.py", "tensor and result objects"),
-    ("kvstore/host_memory.py", "tensor and result objects"),
-    ("kvstore/codecs.py", "tensor and result objects"),
-    ("torch/", "tensor and result objects"),
-    ("numpy/", "tensor and result objects"),
-    ("tiers/disk", "disk tier"),
-    ("api/client", "client code"),
-    ("api/client/http1.py", "client code"),
-    ("api/server/shared_memory.py", "shared memory"),
-    ("api/framing.py", "msgpack framing"),
-    ("api/server/wire.py", "request decoding and checks"),
-    ("api/server/connection.py", "HTTP parsing and dispatch"),
-    ("api/", "HTTP parsing and dispatch"),  # handlers, middleware, the rest of the app
-    ("aiohttp/", "HTTP parsing and dispatch"),
-    ("multidict", "HTTP parsing and dispatch"),
-    ("yarl", "HTTP parsing and dispatch"),
-    ("asyncio/", "event loop"),
-    ("selectors.py", "event loop"),
-    ("kvstore/", "store control flow"),  # store.py, fetch_plan.py, page_writes.py, registry.py, ...
-    ("socket.py", "socket send"),
+    (("bench/", "cProfile"), "harness"),
+    (("kvstore/validation.py", "kvstore/config.py"), "validation"),
+    (("kvstore/keys.py", "kvstore/index.py"), "token hashing and tree match"),
+    (("kvstore/placement.py", "kvstore/policies/", "kvstore/shadow.py", "kvstore/store_state.py",
+      "kvstore/tier_stack.py", "tiers/slots.py", "tiers/cpu.py", "tiers/base.py"), "placement and policy bookkeeping"),
+    (("kvstore/host_copy.py", "kvstore/copy_threads.py"), "copy"),
+    (("kvstore/results.py", "kvstore/host_memory.py", "kvstore/codecs.py", "torch/", "numpy/"),
+     "tensor and result objects"),
+    (("tiers/disk",), "disk tier"),
+    (("api/client",), "client code"),
+    (("api/server/shared_memory.py",), "shared memory"),
+    (("api/framing.py",), "msgpack framing"),
+    (("api/server/wire.py",), "request decoding and checks"),
+    # api/: handlers, middleware, the rest of the app
+    (("api/server/connection.py", "api/", "aiohttp/", "multidict", "yarl"), "HTTP parsing and dispatch"),
+    (("asyncio/", "selectors.py"), "event loop"),
+    (("kvstore/",), "store control flow"),  # store.py, fetch_plan.py, page_writes.py, registry.py, ...
+    (("socket.py",), "socket send"),
 ]
 # Functions by name, before the file rules: the harness's stand-in for np.copyto (below).
 NAME_RULES = {"profiled_copyto": "copy"}
@@ -142,8 +120,8 @@ _copyto = np.copyto
 
 def file_category(filename: str) -> str:
     path = filename.replace(os.sep, "/")
-    for fragment, category in FILE_RULES:
-        if fragment in path:
+    for fragments, category in FILE_RULES:
+        if any(f in path for f in fragments):
             return category
     return OTHER
 
@@ -319,10 +297,6 @@ def run_all(quick: bool, paths: set[str], serve_args: tuple[str, ...] = ()) -> d
     return results
 
 
-def size_label(nbytes: int) -> str:
-    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
-
-
 def fetch_case(prestore: Callable[[list[int]], Any], fetch: Callable[[list[int]], Any], prompts: list[list[int]],
                tokens: TokenSource, n_tokens: int, count: int, kv: Any, where: str,
                run: Callable[[Callable[[int], Any]], dict]) -> dict:
@@ -358,7 +332,7 @@ def in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls, closers) -
         return fetch_case(lambda p: store.store("m", p, kv), lambda p: store.fetch("m", p), prompts, tokens,
                           n_tokens, count, kv, "in-process", lambda fn: in_process_case(fn, calls, 32))
 
-    label = size_label(nbytes)
+    label = size_name(nbytes)
     return [(f"in-process store {label}", store_job), (f"in-process fetch {label}", fetch_job)]
 
 
@@ -378,7 +352,7 @@ def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers,
     fill(lambda p: admin.store("m", p, kv), lambda: admin.stats()["tiers"]["cpu"]["bytes"], TIER_BYTES, nbytes,
          tokens, n_tokens)
     prompts: list[list[int]] = []
-    label = size_label(nbytes)
+    label = size_name(nbytes)
     jobs = []
     clients = {}
     for transport in ("shm", "tcp"):

@@ -1,13 +1,10 @@
-"""The cheapest one-page store and fetch CPython allows with a KV store's basic guarantees,
-beside kvstore's and the dict baseline of bench/ops.py, in one interleaved run.
+"""The cheapest one-page store and fetch CPython allows with a KV store's basic guarantees
+(`FloorStore`: checks, a digest key, a lock, pins, eviction, the copy), beside kvstore's and
+bench/ops.py's dict baseline in one interleaved run, and the floor's steps alone.
 
     python -m bench.profiling floor [--rounds 5] [--seconds 0.4] [--json FILE]
 
-`FloorStore` checks the tokens and the KV, keys a page by a blake2b-128 digest, holds a lock,
-pins what it reads, evicts the oldest unpinned page and copies the bytes in or out: no tiers,
-prefix tree, policy learning, counters or tenants. kvstore's ratio to the dict above the floor's
-is what those cost; a second table times the floor's steps alone (timeit, best of 7)
-(docs/performance.md, "The floor").
+docs/performance.md, "The floor".
 """
 from __future__ import annotations
 

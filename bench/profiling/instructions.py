@@ -1,14 +1,10 @@
-"""Instructions per store operation, counted by valgrind: a measure of fixed costs that noise cannot move.
+"""Instructions per store operation under valgrind's callgrind (counting on only around each
+case's loop): a fixed cost that noise cannot move; one-page cases also print the count less a
+plain `np.copyto` of the same bytes. Needs valgrind.
 
-    python -m bench.profiling instructions                         # this checkout
-    python -m bench.profiling instructions --before-site OLD_SITE  # an importable copy of older code too
+    python -m bench.profiling instructions [--before-site OLD_SITE]
 
-Each case runs in a child process under callgrind with counting on only around its loop
-(`callgrind_control -i on/off`). valgrind counts `rep movsb` once per byte, so each one-page case
-also counts a plain `np.copyto` of the same bytes and prints the difference: what the operation
-executes besides copying. The 4-page `fetch-into-2MiB` gets no such column (glibc copies its
-32 KiB pieces and one contiguous 2 MiB differently); its total still compares two versions.
-Needs valgrind; about a minute per case and side (docs/performance.md, "Instructions per operation").
+docs/performance.md, "Instructions per operation".
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""What proving that LMDB reads stay inside data.mdb costs, both ways the disk tier could do it:
-
-- at start (what the tier does, tiers/disk_open.py): py-lmdb's offline structural verifier over
-  the whole file, then the LMDB walk, in a child process; measured for several file shapes;
-- at every read (the alternative): `txn.get(buffers=True)`, the value's address and length
-  checked against the map (found in /proc/self/maps: `env.info()['map_addr']` is the address
-  stored in the meta page, 0 unless MDB_FIXEDMAP) and the file's size, the overflow page's
-  header checked against the node, then the copy; against the plain copying `txn.get`.
+"""What proving that LMDB reads stay inside data.mdb costs: at start (the tier's way,
+tiers/disk_open.py: the structural verifier and walk in a child) for several file shapes, and at
+every read (the alternative: each value's address checked against the map) beside plain `txn.get`.
 
     python -m bench.profiling lmdb-checks [--gib 1]
 
-Environments are built with plain lmdb in the tier's layout (`meta`: ~150-byte headers, `data`:
-payloads, one commit per 200 records, every 7th record deleted so the free list is not empty).
+Figures: docs/reliability.md, "The disk tier's start check, and the per-read alternative".
 """
 from __future__ import annotations
 

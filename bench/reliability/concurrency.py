@@ -1,18 +1,10 @@
-"""Concurrency scenario: many threads (in-process) or many clients (a sidecar, over shared memory
-and TCP) run random stores, fetches, lookups and model drops over overlapping prefixes, every
-operation logged, and the history checked (tests/concurrency_history.py).
-
-The sequences form a `Universe`: two models, each with the same roots (32 tokens, all beginning
-with one BOS token), each root with branches that share a stem of 0-23 tokens after it, then
-tokens of their own. An operation takes the first 1-80 tokens of one branch, so stores and reads
-overlap in whole pages, in tails, inside pages and at the BOS token alone. A token's KV is a
-function of its id and position (bench/reliability/pages.py), so every fetched byte is checked
-where it is read.
-
-Two capacities: nothing evicted (the read-your-writes check applies), and a CPU tier of a few
-dozen pages above a small disk tier (every store evicts; demotions, disk reads and promotions
-run all the time). `run_restarts` SIGKILLs a write-through sidecar at random moments and starts
-it again on the same data dir; the clients wait for it and go on: acknowledged stores must survive.
+"""Concurrency scenario: threads (in-process) or sidecar clients (shared memory and TCP) run random
+stores, fetches, lookups and model drops over overlapping prefixes; every operation is logged and
+the history checked (tests/concurrency_history.py). `Universe` holds the sequences: shared roots
+led by one BOS token, branches with shared stems, so operations overlap in pages, tails and BOS
+alone; a token's KV is a function of its id and position (bench/reliability/pages.py).
+`run_restarts` SIGKILLs a write-through sidecar at random moments: acknowledged stores must survive.
+Run by `python bench/chaos.py --only concurrency` (docs/reliability.md).
 """
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """Corruption scenario: damage the disk tier while the store is stopped, reopen, fetch everything.
 
-- `run_page_damage`: 1-4 bytes inside LMDB's own B-tree pages (leaf and branch pages: those
-  whose header stores their own page number and the leaf or branch flag) are overwritten: node
-  sizes, key lengths, overflow page numbers, child pointers, free-list records. This is the
-  damage that once sent a read off the end of data.mdb (SIGBUS): the environment must be moved
-  aside or every damaged record be a miss, and the store keep serving and writing.
-- `run_flips`: random bytes of the whole `data.mdb` (meta, B-tree and payload pages alike;
-  most land in payloads, which the record checksums catch).
-- `run_payloads`: record payloads and headers rewritten through LMDB (valid B-tree, wrong
-  bytes): every damaged record must become a miss, be deleted and be counted.
-
-Either way, no fetch may return KV that differs from what was stored. Every damaged store is
-opened in a child process (forkserver: each trial costs a fork, not an interpreter start), so
-a crash is counted (`killed`, by signal) instead of killing the caller, and the child also
-stores and fetches new sequences after the damaged ones, so LMDB's page allocator (the free
-list) is exercised too. The store has only a disk tier, so every fetch reads LMDB; /metrics is
-rendered by the same `Metrics` the sidecar serves.
+`run_page_damage` overwrites bytes of LMDB's leaf and branch pages, `run_flips` random bytes of
+data.mdb, `run_payloads` record payloads through LMDB. No fetch may return KV other than what was
+stored; each damaged store is opened in a forkserver child, so a crash is counted, not suffered.
+Run by `python bench/chaos.py --only corruption`; the damage and figures: docs/reliability.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Crash scenario: SIGKILL a `kvstore serve` under a store load at random moments, restart it.
-
-Each round starts the sidecar on the same data dir, checks what the previous round left
-(write-through: every acknowledged page fetched bit-exact; any mode: whatever is served for a
-sequence equals the KV that was stored for it, and nothing is served past what a store sent),
-runs client threads that store new sequences and extensions of their acknowledged ones, and
-SIGKILLs the process at a random moment. LMDB must reopen every time without repair: the disk
-tier never moves the environment aside (`pages.corrupt-*`) and no record reads as corrupt.
+"""Crash scenario: SIGKILL a `kvstore serve` under a store load at random moments and restart it on
+the same data dir. Every acknowledged page (write-through) comes back bit-exact, nothing is served
+past what a store sent, and LMDB reopens without repair (nothing moved aside or corrupt).
+Run by `python bench/chaos.py` (docs/reliability.md, "The chaos table").
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Full-disk scenario: the disk tier on a filesystem with little room.
-
-A small tmpfs is mounted for the data dir when this process may mount (root); otherwise the
-disk tier gets a tiny `disk_bytes` on the ordinary filesystem. `kvstore serve` is started with
-`--disk-bytes` far above what the filesystem holds, then stored into well past that, and
-finally the filesystem is filled to the last byte by another file while stores continue.
-Every store must answer 200 (room made by eviction) or 507 with its error code, never 500; the
-service stays up; the CPU tier keeps serving the newest pages; whatever is fetched is bit-exact.
+"""Full-disk scenario: `kvstore serve` with `--disk-bytes` far above what its filesystem holds (a
+small tmpfs where this process may mount), stored into past that, then the filesystem filled by
+another file. Every store answers 200 or 507, never 500; whatever is fetched is bit-exact.
+Run by `python bench/chaos.py` (docs/reliability.md, "The chaos table").
 """
 from __future__ import annotations
 
