@@ -46,6 +46,7 @@ LATENCY_TARGETS = {("64KiB", "fetch"): 2.0}
 PRESTORED = 32  # distinct values each fetch/GET cell reads from
 REDIS_KEYS = 256  # SETs cycle over this many keys so Redis memory stays bounded
 CPU_BYTES = 512 << 20  # the sidecar's CPU tier
+CLIENTS = (1, 8)
 
 
 @dataclass
@@ -307,18 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="per cell, split over the rounds")
     parser.add_argument("--rounds", type=int, default=3, help="alternate the systems this many times per cell")
-    parser.add_argument("--clients", default="1,8")
     parser.add_argument("--sizes", default=",".join(SIZES))
-    parser.add_argument("--transports", default="shm,tcp",
-                        help="sidecar transports: shm (shared memory, the loopback default) and/or tcp")
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
-    clients = [int(c) for c in args.clients.split(",")]
     sizes = args.sizes.split(",")
-    transports = args.transports.split(",")
-    if not set(transports) <= {"shm", "tcp"}:
-        parser.error(f"--transports: expected shm and/or tcp, got {args.transports!r}")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:
         tmp = Path(tmpdir)
         sidecar = start_sidecar(tmp / "data", CPU_BYTES)
@@ -335,11 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             loopback = loopback_mb_per_s()
             per_round = args.seconds / args.rounds
-            with tqdm(total=len(sizes) * len(clients) * args.rounds, desc="bench/api", unit="round") as bar:
+            with tqdm(total=len(sizes) * len(CLIENTS) * args.rounds, desc="bench/api", unit="round") as bar:
                 for size in sizes:
-                    for n in clients:
+                    for n in CLIENTS:
                         for _ in range(args.rounds):
-                            for transport in transports:
+                            for transport in ("shm", "tcp"):
                                 cells += sidecar_cells(url, size, SIZES[size], n, per_round, seq, warm, transport)
                             if redis is not None:
                                 cells += redis_cells(redis.port, size, SIZES[size], n, per_round)

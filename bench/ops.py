@@ -287,7 +287,7 @@ def start_sidecar(data_dir: Path, cpu_bytes: int, launch: str = LAUNCH, extra_ar
                    launch=[sys.executable, "-c", launch, *extra_args], cwd=data_dir).start()
 
 
-def sidecar_cases(fetch_url: str, store_urls: dict[int, str], transports: list[str], tokens: TokenSource,
+def sidecar_cases(fetch_url: str, store_urls: dict[int, str], tokens: TokenSource,
                   redis_port: int | None) -> tuple[list[Case], list[Any]]:
     from kvstore import KVStoreClient
 
@@ -310,7 +310,7 @@ def sidecar_cases(fetch_url: str, store_urls: dict[int, str], transports: list[s
             fill(lambda p: admin.store(model, p, kvs[0]), lambda: admin.stats()["tiers"]["cpu"]["bytes"],
                  capacity, nbytes, tokens, n_tokens)
         redis_get, redis_set = redis_ops(redis_clients, nbytes, count, values)
-        for transport in transports:
+        for transport in ("shm", "tcp"):
             shm_bytes = None if transport == "shm" else 0
             fetch_client = KVStoreClient(fetch_url, shared_memory_bytes=shm_bytes)
             store_client = KVStoreClient(store_url, shared_memory_bytes=shm_bytes)
@@ -486,7 +486,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="per case per round, baselines included (default 0.4; --quick 0.1)")
     parser.add_argument("--paths", default="in-process,disk,sidecar",
                         help="which cases: in-process, disk and/or sidecar")
-    parser.add_argument("--transports", default="shm,tcp", help="sidecar transports: shm and/or tcp")
     parser.add_argument("--big-mib", type=int, default=64, help="size of the large fetch into= (MiB, >= 2)")
     parser.add_argument("--no-redis", action="store_true", help="no redis-py column on the sidecar rows")
     parser.add_argument("--before-site", metavar="DIR",
@@ -496,17 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 5)
     seconds = args.seconds if args.seconds is not None else (0.1 if args.quick else 0.4)
     paths = set(args.paths.split(","))
-    transports = args.transports.split(",")
     if not paths <= {"in-process", "disk", "sidecar"}:
         parser.error(f"--paths: expected in-process, disk and/or sidecar, got {args.paths!r}")
-    if not set(transports) <= {"shm", "tcp"}:
-        parser.error(f"--transports: expected shm and/or tcp, got {args.transports!r}")
     if args.big_mib < 2:
         parser.error("--big-mib: must be >= 2")
     before = None
     if args.before_site:
         same = ["--rounds", str(rounds), "--seconds", str(seconds), "--paths", args.paths,
-                "--transports", args.transports, "--big-mib", str(args.big_mib)]
+                "--big-mib", str(args.big_mib)]
         before = run_on_site(__file__, same + (["--no-redis"] if args.no_redis else []), args.before_site)
     print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
     torch.set_num_threads(1)
@@ -543,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                     procs.append(start_sidecar(tmp / f"sidecar-store-{nbytes}", 64 * MIB))
                     store_urls[nbytes] = procs[-1].url
                 header.append(f"kvstore in the sidecars: {os.path.dirname(where)}")
-                found, clients = sidecar_cases(fetch_url, store_urls, transports, tokens, redis_port)
+                found, clients = sidecar_cases(fetch_url, store_urls, tokens, redis_port)
                 cases += found
                 closers += clients
             settle_collector()
