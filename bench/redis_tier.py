@@ -55,7 +55,7 @@ def stored_prompt(store: KVStore, spec: ModelSpec, pages: int,
     return tokens, kv, keys
 
 
-def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, one_page_repeat: int, bar: tqdm) -> dict:
+def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, bar: tqdm) -> dict:
     config = StoreConfig(data_dir=None, cpu_bytes=0, disk_bytes=0, redis_url=url, redis_key_prefix=PREFIX,
                          redis_timeout_s=30)
     raw = make_client(url, 30)  # the same socket settings as the tier, without the tier
@@ -63,8 +63,8 @@ def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, one_page_repe
     with KVStore(config) as store:
         store.register_model("m", spec)
         one, _, one_keys = stored_prompt(store, spec, 1, seed=1)
-        out["one_page"] = interleaved(lambda: store.fetch("m", one), lambda: raw.get(one_keys[0]), one_page_repeat, bar)
-        out["one_page"]["rounds"] = one_page_repeat
+        out["one_page"] = interleaved(lambda: store.fetch("m", one), lambda: raw.get(one_keys[0]), repeat, bar)
+        out["one_page"]["rounds"] = repeat
         many, _, keys = stored_prompt(store, spec, pages, seed=2)
         out["pipelined_vs_raw_gets"] = interleaved(lambda: store.fetch("m", many),
                                                    lambda: [raw.get(k) for k in keys], repeat, bar)
@@ -103,24 +103,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=32, help="pages per multi-page fetch")
     parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--one-page-repeat", type=int,
-                        help="rounds of the one-page rows (default: --repeat); a round takes ~1 ms, so on a "
-                             "busy machine a few hundred give a steadier ratio than a multi-page row's count")
     parser.add_argument("--redis-url", help="an existing Redis (default: start a redis-server here)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results = {}
-    one_page_repeat = args.one_page_repeat or args.repeat
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as tmp:
         try:
             server = None if args.redis_url else RedisServer(tmp).start()
         except RuntimeError as e:
             sys.exit(f"{e}, or pass --redis-url")
         try:
-            with tqdm(total=2 * (4 * args.repeat + one_page_repeat), desc="redis tier", unit="run") as bar:
+            with tqdm(total=2 * 5 * args.repeat, desc="redis tier", unit="run") as bar:
                 for name, spec in (("2MiB", SPEC_2MIB), ("64KiB", SPEC_64KIB)):
-                    results[name] = bench_spec(args.redis_url or server.url, spec, args.pages, args.repeat,
-                                               one_page_repeat, bar)
+                    results[name] = bench_spec(args.redis_url or server.url, spec, args.pages, args.repeat, bar)
         finally:
             if server is not None:
                 server.stop()
