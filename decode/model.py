@@ -66,7 +66,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, H, D)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, H, D)
-        return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v
+        return Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
                 ctx: AttentionContext) -> torch.Tensor:

@@ -62,3 +62,12 @@ def test_tiny_model_is_deterministic_per_seed() -> None:
     assert generate(a, prompt, 6).tokens == generate(b, prompt, 6).tokens
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     assert a.spec.num_layers == a.arch.num_layers and a.spec.page_size == 16
+
+
+def test_model_apply_reaches_every_module() -> None:
+    # torch's Module.apply visits every submodule: the rotary one among them, which once shadowed
+    # `apply` with its RoPE rotation, so this call raised a TypeError.
+    model = tiny_model(seed=1)
+    seen: list[str] = []
+    model.apply(lambda module: seen.append(type(module).__name__))
+    assert "Rotary" in seen and seen[-1] == type(model).__name__
