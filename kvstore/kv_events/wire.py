@@ -149,10 +149,11 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     decoded: list[KVEvent] = []
     for wire in events:
         kind = wire.get("type") if isinstance(wire, dict) else None
-        cls = _TYPES.get(kind)  # type: ignore[arg-type]
-        if cls is None:
+        # A type that is not a string (a list, a map) is unknown too, not a TypeError from the lookup.
+        if not isinstance(kind, str) or kind not in _TYPES:
             raise ValueError(f"KV event batch: unknown event type {kind!r}")
-        known = _ALWAYS[kind] + _OPTIONAL[kind]  # type: ignore[index]
+        cls = _TYPES[kind]
+        known = _ALWAYS[kind] + _OPTIONAL[kind]
         args = {name: wire.get(name) for name in known}
         if kind == "BlockStored" and isinstance(args.get("extra_keys"), list):
             args["extra_keys"] = [tuple(k) if isinstance(k, list) else k for k in args["extra_keys"]]

@@ -3,6 +3,7 @@ the pages the store holds, through stores, promotions, demotions, evictions from
 dropped models and restarts; a refused store reports nothing."""
 from __future__ import annotations
 
+import msgpack
 import pytest
 import torch
 
@@ -208,3 +209,11 @@ def test_a_shared_redis_tier_is_remote_storage_for_every_sidecar(tmp_path):
             store.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kind", ["BlockMoved", None, ["BlockStored"], {"a": 1}])
+def test_an_unknown_event_type_is_refused_by_name(kind):
+    # A type that is not a string (a list, a map) too: once the table lookup raised TypeError.
+    payload = msgpack.packb([1.0, [{"type": kind}], 0], use_bin_type=True)
+    with pytest.raises(ValueError, match="unknown event type"):
+        decode_batch(payload)
