@@ -243,16 +243,11 @@ def run_sidecar(data_dir: Path, *, ops: int, capacity: str, clients: int = 8, se
 
 def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed: int = 0,
                  p_drop: float = 0.0002) -> ConcurrencyReport:
-    """A write-through sidecar with room for everything, SIGKILLed `kills` times at random
-    moments while the clients run, and started again on the same data dir at once. Operations
-    that got no answer may or may not have happened (history.LOST); the request counters start
-    again at each start, so only the history's rules are checked.
-
-    The moments are drawn in operations, not seconds: kill k falls at a random point of the k-th
-    of `kills + 1` equal stretches of the workload, so every kill has operations acknowledged
-    before it and reads after the restart however slow the host is. While the sidecar is down,
-    clients wait for it as a client with retries would; a request in flight at the kill gets no
-    answer."""
+    """A write-through sidecar with room for everything, SIGKILLed `kills` times while the clients
+    run and started again on the same data dir. Unanswered operations may or may not have happened
+    (history.LOST), and counters restart, so only the history's rules are checked. Kill k falls in
+    the k-th of `kills + 1` equal stretches of operations (not seconds), so every kill has stores
+    acknowledged before it and reads after however slow the host; clients wait while it is down."""
     began = time.perf_counter()
     universe = Universe(seed=seed)
     rng = random.Random(seed)
