@@ -27,8 +27,8 @@ class LlamaArch:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # HF-style scaling parameters without rope_theta, e.g. {"rope_type": "llama3", "factor": 8.0, ...};
-    # None means plain RoPE. Kept as sorted pairs so the dataclass stays hashable.
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    # None means plain RoPE. A mapping on construction, kept as sorted pairs so the dataclass stays hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | Mapping[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False

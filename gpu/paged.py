@@ -107,7 +107,7 @@ def _check_bounds(ids: torch.Tensor, num_blocks: int, *, unique: bool) -> None:
 def _layer_views(cache: PagedKV, layout: PagedLayout) -> list[torch.Tensor]:
     """The 2L (num_blocks, P, H, D) views, index 2*layer + kv (strided views for one tensor)."""
     if layout.per_layer:
-        k_caches, v_caches = cache  # type: ignore[misc]
+        k_caches, v_caches = cache
         return [t for pair in zip(k_caches, v_caches) for t in pair]
     assert isinstance(cache, torch.Tensor)
     return [cache[:, layer, kv] for layer in range(layout.num_layers) for kv in (0, 1)]

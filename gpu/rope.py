@@ -54,6 +54,7 @@ def inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim: RoPE needs an even head_dim >= 2, got {head_dim}")
     kind = _scaling_kind(rope_scaling)
+    scaling: Mapping[str, Any] = rope_scaling or {}  # kind "default" when there is none
     if kind not in SHIFT_INVARIANT_SCALINGS:
         raise RopeScalingUnsupported(
             f"rope_scaling: {kind!r} RoPE is not a pure position shift (it depends on the sequence length "
@@ -63,9 +64,9 @@ def inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     freq = 1.0 / (theta ** exponents)  # (D/2,)
     if kind == "linear":
-        freq = freq / float(rope_scaling["factor"])  # type: ignore[index]
+        freq = freq / float(scaling["factor"])
     elif kind == "llama3":
-        freq = _llama3(freq, rope_scaling)  # type: ignore[arg-type]
+        freq = _llama3(freq, scaling)
     return freq
 
 

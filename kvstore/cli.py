@@ -83,7 +83,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             _, is_bool = _converter(f.name, hints[f.name])
-            default = format_bytes(f.default) if f.name.endswith("_bytes") and f.default else repr(f.default)
+            nbytes = f.default if f.name.endswith("_bytes") and isinstance(f.default, int) else 0
+            default = format_bytes(nbytes) if nbytes else repr(f.default)
             help_text = f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {default}; env {_env(f.name)})"
             if is_bool:
                 group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -144,6 +145,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=int, default=8200)
     proxy.add_argument("--timeout-s", type=float, default=600.0, help="longest wait for one engine's answer")
     proxy.set_defaults(run=_run_proxy)
+    decode_cli: types.ModuleType | None
     try:  # generate/demo live with the decode loop, which may not be installed
         from kvstore.decode import cli as decode_cli
     except ImportError:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, astuple, dataclass, fields
-from typing import Any, Mapping
+from dataclasses import asdict, astuple, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Mapping
 
 from kvstore.policies import POLICIES
 
@@ -53,8 +53,13 @@ class ModelSpec:
     page_size: int = 16
     rope_theta: float = 10000.0
     rope_style: str = "neox"
-    # HF-style rope_scaling, kept as sorted (key, value) pairs so the spec stays hashable.
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    # HF-style rope_scaling: a mapping (or pairs) on construction, kept as sorted (key, value) pairs
+    # so the spec stays hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | Mapping[str, Any] | None = None
+    if TYPE_CHECKING:
+        # Derived once by _derive(), outside the dataclass's fields (they would enter its hash).
+        _hash: int = field(init=False)
+        _token_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1, 1024)
@@ -90,7 +95,7 @@ class ModelSpec:
                            self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize)
 
     def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined]
+        return self._hash
 
     def __getstate__(self) -> dict[str, Any]:
         # str hashes differ between processes: a spec sent to another one derives them again.
@@ -103,7 +108,7 @@ class ModelSpec:
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
-        return None if self.rope_scaling is None else {k: _thaw(v) for k, v in self.rope_scaling}
+        return None if self.rope_scaling is None else {k: _thaw(v) for k, v in dict(self.rope_scaling).items()}
 
     @property
     def itemsize(self) -> int:
@@ -115,7 +120,7 @@ class ModelSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return self._token_bytes  # type: ignore[attr-defined]
+        return self._token_bytes
 
     @property
     def page_bytes(self) -> int:

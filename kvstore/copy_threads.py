@@ -80,7 +80,7 @@ def _split(dst: np.ndarray, src: np.ndarray) -> list[Copy]:
 class _Batch:
     """Parts taken in turn by whichever thread asks next; `wait` returns when all are copied."""
 
-    def __init__(self, parts: list[Copy]):
+    def __init__(self, parts: Sequence[Copy]):
         self.parts = parts
         self.taken = itertools.count()  # next() is atomic under the GIL: each part is taken once
         self.left = len(parts)

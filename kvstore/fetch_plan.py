@@ -132,13 +132,14 @@ class FetchPlan:
         for i, (node, first, used, tier, slot) in enumerate(reads):
             lo = first if first >= start else start  # tokens [lo, first + used) of the prompt come from this page
             a, b = lo - start, first + used - start  # ... and go to [a, b) of the answer
+            page: torch.Tensor | Literal[True] | None  # True: its tokens are in the answer already
             if tier in raw_buffers:  # a raw page in host memory (so `out_rows` is the answer's)
                 if i >= copied:
                     assert out_rows is not None
                     copied = copy_raw_pages(reads, i, start, raw_buffers, out_rows,
                                             part.bytes_per_token(spec) // out_rows.shape[0], uncopied) \
                         if part.whole else copy_raw_slices(reads, i, start, raw_buffers, out_rows, spec, part, uncopied)
-                page: torch.Tensor | Literal[True] | None = True
+                page = True
             else:
                 record = None
                 if slot is None:

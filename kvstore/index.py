@@ -50,7 +50,7 @@ class Node:
         self.last_access = 0  # logical clock, set by the store's clock
         self.hits = 0  # times served by a fetch (policies use it for frequency)
         self.namespace = namespace
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.root: Node = self if parent is None else parent.root  # its tree's root, O(1)
         self.tail = False  # a tail page: fewer tokens than a full page, the end of a sequence
 

@@ -146,7 +146,8 @@ class Placement:
     def _own_policy(self, node: Node, tier: str) -> EvictionPolicy | None:
         """The page's tenant's own policy in `tier`, if it has one. Callers test `tenant_policies`
         first: without quotas there is none, and a fetch touches and unpins every page."""
-        return self.tenant_policies.get((tier, self.tenant_of(node.namespace)))  # type: ignore[arg-type]
+        tenant = self.tenant_of(node.namespace)
+        return None if tenant is None else self.tenant_policies.get((tier, tenant))
 
     def _count_tenant(self, node: Node, tier: str, nbytes: int) -> EvictionPolicy | None:
         """Count `nbytes` (negative: leaving) to the page's tenant in a memory tier; -> that
@@ -282,8 +283,8 @@ class Placement:
             return False
         tenant = self.tenant_of(namespace) if namespace is not None and self.tenant_policies else None
         own = self.tenant_policies.get((tier, tenant)) if tenant is not None else None
-        if own is not None:
-            quota, key = self.quotas[tenant], (tier, tenant)  # type: ignore[index]
+        if own is not None and tenant is not None:
+            quota, key = self.quotas[tenant], (tier, tenant)
             if nbytes > quota:
                 return False
             while self.tenant_bytes.get(key, 0) + nbytes > quota:

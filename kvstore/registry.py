@@ -36,11 +36,11 @@ class ModelRegistry:
         self.tenants_by_namespace: dict[bytes, str | None] = {}
         self.models_by_namespace: dict[bytes, Model] = {}  # only ever added to: KV events name a page's model
         if self._path and os.path.exists(self._path):
-            self._load()
+            self._load(self._path)
 
-    def _load(self) -> None:
+    def _load(self, path: str) -> None:
         try:
-            with open(self._path) as f:  # type: ignore[arg-type]
+            with open(path) as f:
                 entries = json.load(f)
             for entry in entries:
                 self._add(entry["name"], entry["tenant"], ModelSpec.from_dict(entry["spec"]))

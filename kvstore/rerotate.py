@@ -11,6 +11,8 @@ It does not decide which chunks hit or what to recompute (the store and decode/b
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvstore.gpu.rope import RopeScalingUnsupported, inv_freq, rope_rerotate, rope_rerotate_ref
@@ -30,7 +32,7 @@ def rerotate_into(out: torch.Tensor, kv: torch.Tensor, spec: ModelSpec, delta: i
     """Write `kv` (L, 2, n, H, D), K rotated at positions p, into `out` (same shape) with K
     rotated at p + delta."""
     assert out.shape == kv.shape and kv.shape[1] == 2, (out.shape, kv.shape)
-    rope = dict(theta=spec.rope_theta, style=spec.rope_style, rope_scaling=spec.rope_scaling_dict)
+    rope: dict[str, Any] = dict(theta=spec.rope_theta, style=spec.rope_style, rope_scaling=spec.rope_scaling_dict)
     out[:, 1].copy_(kv[:, 1])
     if delta == 0:
         out[:, 0].copy_(kv[:, 0])

@@ -26,7 +26,7 @@ tiers below, bytes (every page is one unit). It imports no torch.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 
 MIN_SAMPLED_PAGES = 1024  # a sampled shadow never holds fewer pages than this (else: sample less)
@@ -60,7 +60,7 @@ class ShadowPage:
         self.last_access = last_access
         self.pins = 0  # never pinned (see the module docstring)
         self.tier_kids: dict[str, int] = {tier: 0}  # one tier: the shadow's (policies read it so)
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.tick = tick  # the last tick it was referenced in
 
 
@@ -71,16 +71,18 @@ class ShadowCache:
     policy's methods bound once here, and skips a touch the policy says changes nothing
     (`touches_nothing`: one that touches in place)."""
 
-    def __init__(self, tier: str, make_policy: Callable[[str], object]):
+    # A policy is typed Any here: it ranks `ShadowPage`s, which stand in for the index's `Node`s
+    # (the fields policies read), not `Node`s themselves.
+    def __init__(self, tier: str, make_policy: Callable[[str], Any]):
         self.tier = tier
         self.policy = policy = make_policy(tier)
         self.pages: dict[bytes, ShadowPage] = {}
         touches_nothing = getattr(policy, "touches_nothing", None)
-        self._touch = None if touches_nothing is not None and touches_nothing() else policy.touch  # type: ignore[attr-defined]
-        self._insert = policy.insert  # type: ignore[attr-defined]
-        self._victim = policy.victim  # type: ignore[attr-defined]
-        self._remove = policy.remove  # type: ignore[attr-defined]
-        self._update = policy.update  # type: ignore[attr-defined]
+        self._touch = None if touches_nothing is not None and touches_nothing() else policy.touch
+        self._insert = policy.insert
+        self._victim = policy.victim
+        self._remove = policy.remove
+        self._update = policy.update
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -117,7 +119,7 @@ class ShadowCache:
                 # holds that very page, has one child fewer (and may be a leaf now).
                 remove(victim)
                 del pages[victim.key]
-                up = victim.parent
+                up: ShadowPage | None = victim.parent
                 if up is not None and pages.get(up.key) is up:
                     kids = up.tier_kids
                     left = kids[tier] - 1

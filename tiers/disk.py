@@ -92,9 +92,9 @@ class DiskTier(RecordTier):
 
     @classmethod
     def from_config(cls, config: "StoreConfig") -> "DiskTier | None":
-        if not config.disk_bytes:
+        if not config.disk_bytes or not config.data_dir:  # the config refuses disk_bytes without a data_dir
             return None
-        return cls(os.path.join(config.data_dir, "pages"), config.disk_bytes,  # type: ignore[arg-type]
+        return cls(os.path.join(config.data_dir, "pages"), config.disk_bytes,
                    compression=config.disk_compression, zstd_level=config.zstd_level,
                    sync=config.durability == "write-through", queue_pages=config.disk_writer_queue,
                    codec=config.disk_codec)
@@ -150,8 +150,8 @@ class DiskTier(RecordTier):
                     pending = self._pending.get(key)
                     if pending is None:
                         to_read.append(key)
-                    elif pending is not _DELETE:
-                        records[key] = pending  # type: ignore[assignment]
+                    elif isinstance(pending, PageRecord):  # not _DELETE
+                        records[key] = pending
         self._reader.read_into(records, to_read, landings)
         return records
 
@@ -223,7 +223,7 @@ class DiskTier(RecordTier):
                 if isinstance(item, PageRecord):
                     batch_bytes += len(_as_bytes(item.payload))
             stop = any(op is _STOP for _, op, _ in batch)
-            ops = []
+            ops: list[tuple[bytes, bytes | None, bytes | memoryview | None, object]] = []
             for key, op, done in batch:
                 if isinstance(op, PageRecord):
                     payload = _as_bytes(op.payload)

@@ -152,7 +152,7 @@ class DiskReader:
             raise CorruptRecord("payload checksum mismatch")
         return head.with_payload(copy)
 
-    def _header(self, key: bytes, meta: memoryview) -> tuple[PageRecord, str, int, int]:
+    def _header(self, key: bytes, meta: bytes | memoryview) -> tuple[PageRecord, str, int, int]:
         """What a read needs of `key`'s header: its record (payload None), compression, stored
         size and payload checksum. Decoding (crc32, msgpack, field checks) is remembered per key
         with the header bytes it was decoded from: it is a function of those bytes, so a record

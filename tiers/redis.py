@@ -132,8 +132,8 @@ class RedisTier(RecordTier):
                 queued = self._writer.pending(key)
                 if queued is None:
                     wire.append(i)
-                elif queued is not DELETED:
-                    results[i] = queued  # type: ignore[assignment]
+                elif isinstance(queued, PageRecord):  # not DELETED
+                    results[i] = queued
             plan.append((results, wire))
         wire_keys = [[keys[i] for i in wire] for keys, (_, wire) in zip(batches, plan)]
         receivers = None

@@ -84,7 +84,7 @@ class ReplyReader:
         # torch.empty: no zero fill (a bytearray would write every byte once more). The CRLF
         # after the value lands in the buffer too, so the last recv needs no second call.
         value = torch.empty(nbytes + len(CRLF), dtype=torch.uint8)  # (value bytes + 2,)
-        dest = memoryview(value.numpy())
+        dest = value.numpy().data
         dest[:len(head)] = head
         have = len(head) + self._take(dest[len(head):])
         while have < len(dest):
