@@ -61,15 +61,15 @@ def json_too_deep(body: bytes | bytearray | memoryview, text: str, max_depth: in
                 depth -= 1
         return False
     marks = np.frombuffer(structure, dtype=np.uint8)
-    depth, in_string = 0, 0
+    depth, quote_parity = 0, 0  # quote_parity 1: the chunk starts inside a string
     for begin in range(0, marks.size, SCAN_CHUNK_BYTES):
         part = marks[begin:begin + SCAN_CHUNK_BYTES]
         quotes = np.cumsum(part == _QUOTE, dtype=np.int32)
-        inside = ((quotes + in_string) & 1).astype(bool)  # an opening quote counts as inside, a closing one outside
+        inside = ((quotes + quote_parity) & 1).astype(bool)  # an opening quote counts as inside, a closing one outside
         levels = depth + np.cumsum(np.where(inside, 0, _STEP[part]), dtype=np.int32)
         if int(levels.max()) > max_depth:
             return True
-        depth, in_string = int(levels[-1]), (in_string + int(quotes[-1])) & 1
+        depth, quote_parity = int(levels[-1]), (quote_parity + int(quotes[-1])) & 1
     return False
 
 

@@ -49,7 +49,7 @@ class _Counted(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self._connection.data_received(data)  # type: ignore[union-attr]
+        self._connection.data_received(data)  # type: ignore[union-attr]  # asyncio calls connection_made first
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received()

@@ -25,11 +25,11 @@ _model = {"type": "string", "minLength": 1, "description": "model name"}
 _tokens = {"description": "token ids: an array of ints, or a bin of little-endian int32",
            "oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}},
                      {"type": "string", "format": "binary"}]}
-_kv = {"type": "string", "format": "binary",
+_kv: dict[str, Any] = {"type": "string", "format": "binary",
        "description": "the (L, 2, T, H, D) KV tensor, C-order, the model's dtype, little-endian "
                       "(base64 in a JSON body)"}
 _start = {**_int, "default": 0, "description": "first token the kv covers / to return"}
-_shm = {"type": "object", "required": ["offset", "nbytes"], "additionalProperties": False,
+_shm: dict[str, Any] = {"type": "object", "required": ["offset", "nbytes"], "additionalProperties": False,
         "properties": {"offset": _int, "nbytes": _int},
         "description": "a region of the shared memory this connection registered (POST /v1/shm)"}
 # 256 characters are at most 1024 bytes of UTF-8 (MAX_SALT_BYTES): the store checks the bytes.

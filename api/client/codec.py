@@ -52,7 +52,7 @@ def tokens_bin(tokens: Any) -> bytes | memoryview:
         highest = int(tokens.max()) if tokens.size and value_bits > 31 else 0
     if lowest < 0 or highest > MAX_TOKEN_ID:
         raise InvalidTokens(f"tokens: ids must be in [0, {MAX_TOKEN_ID}]", field="tokens")
-    return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+    return np.ascontiguousarray(tokens, dtype="<i4").data.cast("B")
 
 
 def kv_bytes(kv: Any) -> tuple[memoryview, str]:
@@ -67,10 +67,10 @@ def kv_bytes(kv: Any) -> tuple[memoryview, str]:
         raise InvalidKV(f"kv: expected shape (L, 2, T, H, D), got {tuple(kv.shape)}", field="kv")
     dense = kv.detach().cpu().contiguous()
     if dense.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits, as bytes, by torch
-        return memoryview(dense.view(-1).view(torch.uint8).numpy()), KV_DTYPE_NAMES[kv.dtype]
+        return dense.view(-1).view(torch.uint8).numpy().data, KV_DTYPE_NAMES[kv.dtype]
     # numpy's view of the same memory, cast to bytes: torch's two views cost twice as much.
     array = dense.numpy()
-    return memoryview(array).cast("B") if array.size else memoryview(b""), KV_DTYPE_NAMES[kv.dtype]
+    return array.data.cast("B") if array.size else memoryview(b""), KV_DTYPE_NAMES[kv.dtype]
 
 
 def small_body(fields: dict[str, Any]) -> bytes:
@@ -142,7 +142,7 @@ def decode(status: int, content_type: str, body: bytearray | bytes | memoryview)
         error = obj.get("error") if isinstance(obj, dict) else None
         if not isinstance(error, dict):
             raise KVStoreError(f"HTTP {status}: {bytes(body[:200])!r}")
-        cls = ERRORS_BY_CODE.get(error.get("code"), KVStoreError)
+        cls = ERRORS_BY_CODE.get(error.get("code", ""), KVStoreError)
         exc = cls(str(error.get("message", "")))
         exc.status = status  # keep what the server said even for codes this client does not know
         raise exc

@@ -113,12 +113,13 @@ class KVStoreClient:
         reused buffer does not pay. Through shared memory `kv` views the client's arena, where
         the sidecar wrote it, and `into` is not used. `heads` / `layers`: as `KVStore.fetch`'s."""
         codec.check_tenant(tenant)
-        receive = None if into is None else check_into(into, torch.device("cpu")).numpy()
+        checked_into = check_into(into, torch.device("cpu"))
+        receive = None if checked_into is None else checked_into.numpy()
         part = PageSlice.wire_fields(layers=layers, heads=heads)
         sized_by = (model, repr(part))
         arena, per_token = self._shared_memory(), self._bytes_per_token.get(sized_by)
         sized = per_token and isinstance(start, int) and hasattr(tokens, "__len__")
-        wanted = (len(tokens) - start) * per_token if sized else 0
+        wanted = (len(tokens) - start) * per_token if per_token and sized else 0
         offset = arena.allocate(wanted) if arena is not None and wanted > 0 else None
         if offset is not None:  # the answer is written into our shared memory (api/server/shared_memory.py)
             assert arena is not None

@@ -120,9 +120,10 @@ _REASONS: dict[int, bytes] = _Reasons()
 
 class Answering:
     """A connection's answering half: what `Connection` (api/server/connection.py) does once a
-    data request's body is in, or once the request is refused. It holds no state of its own."""
+    data request's body is in, or once the request is refused. Its slots are the connection's
+    state it sets; `Connection` declares the rest, and sets up all of the attributes below."""
 
-    __slots__ = ()
+    __slots__ = ("reading", "busy", "paused", "quiet_since", "body_timer")
     fast: FastPath
     answers: Answers
     transport: Any

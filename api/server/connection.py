@@ -46,31 +46,34 @@ class Plain:
 
 
 class Reading:
-    """A data request between its head and its answer: its body as it arrives (`body` for a
-    Content-Length, `chunks` for a chunked one), then its handler's work."""
+    """A data request between its head and its answer: its body as it arrives (`body`: a
+    `BodyBuffer` for a Content-Length, a `ChunkedBody` for a chunked one), then its handler's work."""
 
-    __slots__ = ("head", "key", "handler", "tenant", "began", "body", "chunks")
+    __slots__ = ("head", "key", "handler", "tenant", "began", "body")
 
     def __init__(self, head: RequestHead, key: bytes, handler: handlers.Handler, tenant: str | None,
                  began: float, max_body_bytes: int):
         self.head, self.key, self.handler, self.tenant, self.began = head, key, handler, tenant, began
         length = head.content_length
-        self.body = BodyBuffer(length) if length is not None else None
-        self.chunks = ChunkedBody(keep=True, max_bytes=max_body_bytes) if length is None else None
+        self.body: BodyBuffer | ChunkedBody = BodyBuffer(length) if length is not None \
+            else ChunkedBody(keep=True, max_bytes=max_body_bytes)
 
     @property
     def done(self) -> bool:
-        return self.body.done if self.body is not None else self.chunks.done  # type: ignore[union-attr]
+        return self.body.done
 
     def add(self, data: bytes | bytearray | memoryview) -> int:
         """Take what `data` holds of the body -> how many of its bytes were the body's."""
-        return self.body.add(data) if self.body is not None else self.chunks.feed(data)  # type: ignore[union-attr]
+        body = self.body
+        return body.add(data) if isinstance(body, BodyBuffer) else body.feed(data)
 
     def payload(self) -> bytearray | memoryview:
-        return self.body.body() if self.body is not None else self.chunks.body  # type: ignore[union-attr]
+        body = self.body
+        return body.body() if isinstance(body, BodyBuffer) else body.body
 
     def received(self) -> int:
-        return self.body.got if self.body is not None else self.chunks.total  # type: ignore[union-attr]
+        body = self.body
+        return body.got if isinstance(body, BodyBuffer) else body.total
 
 
 class Connection(Answering):
@@ -82,8 +85,9 @@ class Connection(Answering):
     (`aiohttp_owes`, with `passing` bytes of its body still to hand on), an answered request's
     body being skipped (`skipping`)."""
 
-    __slots__ = ("fast", "answers", "transport", "inner", "loop", "pending", "reading", "busy", "aiohttp_owes",
-                 "passing", "skipping", "paused", "closed", "quiet_since", "idle_timer", "body_timer")
+    # With Answering's: reading, busy, paused, quiet_since, body_timer.
+    __slots__ = ("fast", "answers", "transport", "inner", "loop", "pending", "aiohttp_owes", "passing", "skipping",
+                 "closed", "idle_timer")
 
     def __init__(self, fast: FastPath, transport: Any, inner: asyncio.Protocol):
         self.fast = fast
@@ -100,7 +104,8 @@ class Connection(Answering):
         self.paused = False
         self.closed = False
         self.quiet_since = self.loop.time()
-        self.idle_timer = self.loop.call_at(self.quiet_since + fast.keepalive_timeout_s, self._idle)
+        self.idle_timer: asyncio.TimerHandle | None = self.loop.call_at(
+            self.quiet_since + fast.keepalive_timeout_s, self._idle)
         self.body_timer: asyncio.TimerHandle | None = None
 
     # ---- reads ---------------------------------------------------------------------------

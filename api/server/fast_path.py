@@ -46,7 +46,7 @@ import asyncio
 import time
 from typing import Any
 
-from kvstore.api.server.answering import Answers
+from kvstore.api.server.answering import Answering, Answers
 from kvstore.api.server.auth import PROTECTED_PREFIX, bearer_tenant
 from kvstore.api.server.connection import Connection, Plain
 from kvstore.api.server.request_head import RequestHead, parse_head
@@ -64,7 +64,7 @@ class FastPath:
         self.config = state.config
         self.keepalive_timeout_s = keepalive_timeout_s
         self.connections: dict[Any, Connection] = {}  # by transport, from connection_made to connection_lost
-        self.under_way: set[Connection] = set()  # connections with a data request past its first read
+        self.under_way: set[Answering] = set()  # connections with a data request past its first read
         self.closing = False  # shutting down: no new request is started
         self.plain: dict[bytes, Plain] = {}  # plain data heads by their bytes (without the empty line)
         self._heads: dict[bytes, RequestHead] = {}  # every head parsed, by its bytes

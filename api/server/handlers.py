@@ -41,9 +41,9 @@ def shm_region(state: SidecarState, transport: Any, req: wire.TokensRequest) -> 
     return state.shared_memory.arena(transport).region(offset, nbytes, field="shm")
 
 
-def shm_array(state: SidecarState, transport: Any, req: wire.TokensRequest) -> Any:
-    """The same region as a flat uint8 numpy array (a store reads it as bytes: no tensor needed)."""
-    offset, nbytes = req.shm  # type: ignore[misc]
+def shm_array(state: SidecarState, transport: Any, shm: tuple[int, int]) -> Any:
+    """A request's `shm` region as a flat uint8 numpy array (a store reads it as bytes: no tensor needed)."""
+    offset, nbytes = shm
     return state.shared_memory.arena(transport).region_array(offset, nbytes, field="shm")
 
 
@@ -135,7 +135,7 @@ class StoreJob:
     def __init__(self, state: SidecarState, transport: Any, req: wire.StoreRequest, put_kv: PutKV,
                  tenant: str | None):
         self.kvstore = state.store
-        self.raw = memoryview(shm_array(state, transport, req)) if req.shm else req.kv
+        self.raw = memoryview(shm_array(state, transport, req.shm)) if req.shm else req.kv
         self.nbytes = self.raw.nbytes
         self.req, self.put_kv, self.tenant = req, put_kv, tenant
 
