@@ -122,8 +122,9 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
     if error:
         errors.append(error)
     offset = start
-    for chunk, hit in zip(chunks, hits):
-        if hit:
+    for chunk, chunk_hit in zip(chunks, hits):
+        if chunk_hit:
+            assert kv is not None  # load_chunks answers the hits' KV
             cache.scatter(table, kv[:, :, offset - start:offset - start + len(chunk)], start=offset)  # (L, 2, n, H, D)
             reused += len(chunk)
         else:

@@ -86,7 +86,7 @@ class TokenSelection:
             raise ValueError(f"blend_ratio: must be in [0, 1], got {ratio!r}")
         if ratio == 0.0:
             return [0] * num_layers
-        sizes = []
+        sizes: list[int] = []
         for layer in range(num_layers):
             step = layer - self.select_layer
             factor = 1.0 / ratio if step < 0 else self.narrowing[min(step, len(self.narrowing) - 1)]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union, cast
 
 import torch
 
@@ -80,10 +80,12 @@ def prompt_ids(model: LlamaModel, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping)):
         if model.tokenizer is None:
             raise ValueError(f"prompt: text needs a model with a tokenizer; {model.name} has none (pass token ids)")
-        return model.tokenizer.encode(prompt) if isinstance(prompt, str) else model.tokenizer.chat(prompt)
+        if isinstance(prompt, str):
+            return model.tokenizer.encode(prompt)
+        return model.tokenizer.chat(cast("Sequence[Mapping[str, str]]", prompt))  # its first item is a mapping
     if isinstance(prompt, torch.Tensor):
         return [int(t) for t in prompt.tolist()]
-    return [int(t) for t in prompt]
+    return [int(t) for t in cast("Sequence[int]", prompt)]  # not text, a conversation or a tensor: ids
 
 
 def _check_prompt(model: LlamaModel, prompt_tokens: Prompt) -> list[int]:
@@ -165,7 +167,7 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         fetch_s = time.perf_counter() - start_time
         logits = _prefill(model, prompt, reused, cache, table)
         known = reused
-        if hit is not None and hit.audit is not None:
+        if reuse is not None and hit is not None and hit.audit is not None:  # (a hit comes from reuse)
             audit = reuse.finish_audit(hit.audit, cache, table)
             if audit.passed:
                 known = hit.audit.end  # the withheld page is in the store already
@@ -180,7 +182,8 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
     kept = [logits] if return_logits else None
 
     # Stored after the first token so it never delays it; the next turn's hit starts here.
-    if outcome is not None:  # CacheBlend: only the exact part, the prefix, is a prefix for others
+    if outcome is not None and blend is not None:  # CacheBlend (an outcome comes from `blend`): only the
+        # exact part, the prefix, is a prefix for others
         stored = reuse.store(blend[0], cache, table) if reuse and store and blend[0] else 0
     else:
         stored = reuse.store(prompt, cache, table, known_tokens=known) if reuse and store else known

@@ -9,7 +9,7 @@ This module does not talk to the store (see engine.py) or read files (see loader
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,9 @@ class LlamaModel(nn.Module):
         self.name = name
         self.spec: ModelSpec = arch.spec(page_size)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        # A ModuleList (registered submodules), typed as what it holds: torch types its items as Module.
+        self.layers = cast("Sequence[DecoderLayer]",
+                           nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers)))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:

@@ -160,14 +160,14 @@ class StridedBlockLayout(PagedLayout):
         B, H, D = block_size, num_kv_heads, head_dim
         grid = order.view(2, B, H, D)
         t, h, d = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(D), indexing="ij")
-        halves = []
+        halves: list[tuple[int, tuple[int, int, int]]] = []
         for kv in range(2):
             offset = int(grid[kv, 0, 0, 0])
-            strides = tuple(int(grid[(kv, *step)] - offset) if size > 1 else 0
-                            for step, size in (((1, 0, 0), B), ((0, 1, 0), H), ((0, 0, 1), D)))
-            if not torch.equal(grid[kv], offset + t * strides[0] + h * strides[1] + d * strides[2]):
+            token, head, dim = (int(grid[(kv,) + step] - offset) if size > 1 else 0
+                                for step, size in (((1, 0, 0), B), ((0, 1, 0), H), ((0, 0, 1), D)))
+            if not torch.equal(grid[kv], offset + t * token + h * head + d * dim):
                 return None
-            halves.append((offset, strides))
+            halves.append((offset, (token, head, dim)))
         return cls(name, B, H, D, tuple(halves))
 
     def _halves_of(self, blocks: torch.Tensor) -> list[torch.Tensor]:

@@ -104,7 +104,11 @@ class StoreLink:
         self.heads = heads
         self.part = PageSlice.of(spec, heads=heads)
         self.url = url or config.url
-        self._store: KVStore | None = shared_store(config.store) if self.url is None else None
+        if self.url is None:
+            assert config.store is not None  # the connector's config holds one of url and store
+            self._store: KVStore | None = shared_store(config.store)
+        else:
+            self._store = None
         self._clients: dict[str, KVStoreClient] = {}  # bearer token ("" for none) -> client
         self._registered: set[int] = set()  # backends the model is registered with (by id)
         self._down_until = 0.0
@@ -198,6 +202,7 @@ class StoreLink:
 
         result = self._call("fetch", salt, read)
         if isinstance(result, PinnedFetch):
+            assert result.runs is not None  # read() keeps a pinned fetch only with its runs
             page = (self.spec.num_layers, 2, self.spec.page_size, self.spec.num_kv_heads, self.spec.head_dim)
             wrong = [run.pages for run in result.runs if tuple(run.pages.shape[1:]) != page
                      or str(run.pages.dtype).removeprefix("torch.") != self.spec.dtype]
@@ -252,6 +257,6 @@ class StoreLink:
         self._closed = True
         for client in self._clients.values():
             client.close()
-        if self._store is not None:
+        if self._store is not None and self.config.store is not None:  # (the store came from it)
             self._store = None
             release_store(self.config.store)

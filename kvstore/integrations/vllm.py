@@ -108,6 +108,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                              f"{executor!r}); run `kvstore serve` and set url in kv_connector_extra_config")
         from kvstore.api.server.in_process import InProcessSidecar
 
+        assert self.config.store is not None  # the config holds one of url and store; url is None here
         self._sidecar = InProcessSidecar(self.config.store)
         self._store_url = self._sidecar.__enter__()
         log.info("KVStoreConnector: serving the in-process store to the worker process at %s", self._store_url)
@@ -135,7 +136,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         source = SidecarEventSource(self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint)
         return ConnectorEvents(source, self.model, self.spec, self.block_size)
 
-    def take_events(self):  # type: ignore[override]
+    def take_events(self):
         """vLLM's events for the store's copies of this engine's blocks (BlockStored with the
         medium of the tier that holds them, BlockRemoved when it no longer does), published by
         vLLM's scheduler with its own."""
@@ -153,7 +154,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self.worker is not None
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
         backends = {name: layers[name].attn_backend.get_name() for name in kv_caches}
-        isa = {getattr(layers[name], "isa", None) for name in kv_caches}
+        isa: set[Any] = {getattr(layers[name], "isa", None) for name in kv_caches}
 
         def cpu_writer():
             # vLLM's own CPU cache write, as CPUAttentionBackendImpl.do_kv_cache_update calls it.
@@ -172,6 +173,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         self.worker.register(kv_caches, backends, cpu_writer, self._vllm_config.cache_config.kv_cache_layout,
                              self._vllm_config.scheduler_config.max_num_batched_tokens)
+        assert self.worker.layout is not None  # register() chose it
         log.info("KVStoreConnector: %d layers, paged layout %s", len(kv_caches), self.worker.layout.name)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

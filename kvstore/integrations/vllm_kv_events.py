@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from kvstore.keys import namespace_key, page_key, salt_root, tokens_bytes
 from kvstore.kv_events.log import KVEventLog
-from kvstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_hash
+from kvstore.kv_events.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, block_hash
 
 Medium = tuple  # (medium, locality)
 
@@ -63,9 +63,9 @@ class ConnectorEvents:
         kvstore/kv_events/subscriber.py)."""
         self.source, self.model, self.spec, self.block_size = source, model, spec, block_size
         self._root = namespace_key(model, spec.fingerprint)  # the default tenant's
-        self._media: dict[int, set[Medium]] = {}  # store page (its block hash) -> media holding it
+        self._media: dict[BlockHash, set[Medium]] = {}  # store page (its block hash) -> media holding it
         self._blocks: dict[Any, _Block] = {}  # vLLM hash -> block
-        self._block_of: dict[int, Any] = {}  # store page -> the vLLM hash of its block
+        self._block_of: dict[BlockHash, Any] = {}  # store page -> the vLLM hash of its block
         self._out: list[Any] = []
 
     def expect(self, salt: str | None, tokens: Sequence[int], block_hashes: Sequence[Any]) -> None:

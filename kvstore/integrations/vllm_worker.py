@@ -92,7 +92,9 @@ class _Load:
     def scatter(self, layout: PagedLayout, layer: torch.Tensor, i: int) -> None:
         """Write layer `i` of this load into its blocks of `layer`."""
         if self.pinned is not None:
-            layout.scatter_runs(layer, self.block_ids, [(run.first, run.pages[:, i]) for run in self.pinned.runs])
+            runs = self.pinned.runs
+            assert runs is not None  # a load keeps a pinned fetch only with its runs (StoreLink.fetch_in_place)
+            layout.scatter_runs(layer, self.block_ids, [(run.first, run.pages[:, i]) for run in runs])
         else:
             assert self.kv is not None
             layout.scatter(layer, self.block_ids, self.kv[i].to(layer.device))
@@ -198,14 +200,16 @@ class WorkerSide:
         """The store's KV for a load, as whole blocks; the blocks it cannot fill go to `failed`.
         `in_place`: an in-process store's pages are read where they lie when they all are in its
         CPU tier (one copy, into the blocks, instead of two: docs/design.md §7.4)."""
+        link = self.link
+        assert link is not None  # a worker without a link has no loads
         B = self.block_size
         started = time.perf_counter()
         pinned = None
-        if in_place and self.link.in_process_store is not None and self.link.heads is None \
+        if in_place and link.in_process_store is not None and link.heads is None \
                 and next(iter(self.layers.values())).is_cpu:
-            matched, kv, pinned = self.link.fetch_in_place(spec.tokens, spec.start, spec.salt, into)
+            matched, kv, pinned = link.fetch_in_place(spec.tokens, spec.start, spec.salt, into)
         else:
-            matched, kv = self.link.fetch(spec.tokens, spec.start, spec.salt, into)
+            matched, kv = link.fetch(spec.tokens, spec.start, spec.salt, into)
         usable = max(0, (min(matched, len(spec.tokens)) - spec.start) // B)  # whole blocks the store still had
         failed.update(spec.block_ids[usable:])
         found = kv is not None or pinned is not None
@@ -352,13 +356,15 @@ class WorkerSide:
     def _store(self, save: _Save) -> None:
         if not self.stores:
             return  # a replica of heads another rank stores
+        link = self.link
+        assert link is not None  # a worker without a link has no saves
         spec, B = save.spec, self.block_size
-        held = self.link.store(spec.tokens, save.buffer, spec.start, spec.salt)
+        held = link.store(spec.tokens, save.buffer, spec.start, spec.salt)
         if held is not None and held < spec.start:
             # The store lost (or never had) the blocks before this save: send them too, from here.
             first = held // B * B
             gap = self._gather_all(spec.block_ids[first // B:spec.start // B])
-            held = self.link.store(spec.tokens, torch.cat([gap, save.buffer], dim=2), first, spec.salt)
+            held = link.store(spec.tokens, torch.cat([gap, save.buffer], dim=2), first, spec.salt)
         if held is not None:
             self.stats["saved_tokens"] += max(0, min(held, len(spec.tokens)) - spec.start)
 
