@@ -2,7 +2,7 @@
 numpy hold their bits. The one dtype table of the store and the kernels.
 
 Everything that maps a KV dtype takes it from here: the codecs and input checks
-(kvstore/codecs.py `TORCH_DTYPES` is `KV_DTYPES`), the numpy page copies (kvstore/host_copy.py,
+(`KV_DTYPES`, under this one name everywhere), the numpy page copies (kvstore/host_copy.py,
 the fetch answer: `NUMPY_DTYPES`, `BITS_DTYPES`), the kernels' wrappers, whose kernel names end
 in the dtype's name (kernels.cu), and the bit-exact paged copies (gpu/paged.py). It lives here
 because gpu/ is the leaf package: it imports torch and nothing of the store. `ModelSpec`

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from kvstore.codecs import TORCH_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPES
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.errors import PayloadTooLarge
 from kvstore.index import TOKEN_BYTES
@@ -42,7 +42,7 @@ def blend_chunks(fetch: FetchChunk, config: StoreConfig, namespace: bytes, spec:
         raise PayloadTooLarge(f"chunks: {sum(lengths)} tokens of KV are {sum(lengths) * spec.bytes_per_token} "
                               f"bytes, over the blend limit of {limit} bytes (the memory tiers' capacity)",
                               field="chunks")
-    kv = torch.empty(spec.kv_shape(sum(lengths)), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, T, H, D)
+    kv = torch.empty(spec.kv_shape(sum(lengths)), dtype=KV_DTYPES[spec.dtype], device=dev)  # (L, 2, T, H, D)
     hits, positions, offset = [], [], 0
     for tb, n in zip(tbs, lengths):
         found = fetch(chunk_key(namespace, tb), spec, tb, dev)

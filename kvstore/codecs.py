@@ -16,7 +16,7 @@ import torch
 
 from kvstore.config import ModelSpec
 from kvstore.host_copy import copy_into
-from kvstore.gpu.dtypes import KV_DTYPES as TORCH_DTYPES  # name -> torch dtype of a page's KV
+from kvstore.gpu.dtypes import KV_DTYPES
 
 
 class Codec(Protocol):
@@ -33,7 +33,7 @@ class Codec(Protocol):
 
 def as_kv(spec: ModelSpec, data: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """View raw bytes as KV (L, 2, n, H, D) without copying."""
-    return data.view(TORCH_DTYPES[spec.dtype]).view(spec.kv_shape(num_tokens))
+    return data.view(KV_DTYPES[spec.dtype]).view(spec.kv_shape(num_tokens))
 
 
 class NoneCodec:

@@ -22,10 +22,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvstore.codecs import TORCH_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.copy_threads import Copy, copy_all
-from kvstore.gpu.dtypes import NUMPY_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPES, NUMPY_DTYPES
 from kvstore.host_copy import copy_into
 from kvstore.host_memory import empty_host_bytes
 from kvstore.index import TOKEN_BYTES, Node
@@ -106,7 +105,7 @@ class FetchPlan:
         its n tokens' bytes, is one column range (`copy_raw_pages`). Into a GPU answer no page
         is copied as bytes."""
         spec, part = self.spec, self.part
-        shape, dtype = part.kv_shape(spec, self.matched_tokens - self.start), TORCH_DTYPES[spec.dtype]
+        shape, dtype = part.kv_shape(spec, self.matched_tokens - self.start), KV_DTYPES[spec.dtype]
         if not on_cpu(self.dev):
             return torch.empty(shape, dtype=dtype, device=self.dev), None, None, {}
         into, nbytes = self.into, self.nbytes

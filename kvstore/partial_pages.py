@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from kvstore.codecs import TORCH_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.page_slice import PageSlice
 
@@ -24,7 +24,7 @@ class PartialPage:
     __slots__ = ("kv", "claimed", "written", "parts", "deadline", "nbytes")
 
     def __init__(self, spec: ModelSpec, num_tokens: int, deadline: float):
-        self.kv = torch.empty(spec.kv_shape(num_tokens), dtype=TORCH_DTYPES[spec.dtype])
+        self.kv = torch.empty(spec.kv_shape(num_tokens), dtype=KV_DTYPES[spec.dtype])
         self.claimed = np.zeros((spec.num_layers, spec.num_kv_heads), dtype=bool)  # (layer, KV head) cells
         self.written = np.zeros((spec.num_layers, spec.num_kv_heads), dtype=bool)
         self.parts: set[PageSlice] = set()  # the parts claimed so far

@@ -20,7 +20,8 @@ import torch
 
 from kvstore.gpu import quant
 from kvstore.gpu.runtime import kernels_available
-from kvstore.codecs import CODECS, TORCH_DTYPES
+from kvstore.codecs import CODECS
+from kvstore.gpu.dtypes import KV_DTYPES
 from kvstore.config import ModelSpec
 
 _SCALE_BYTES = quant.SCALE_DTYPE.itemsize
@@ -44,7 +45,7 @@ class _QuantCodec:
 
     def encode(self, spec: ModelSpec, kv: torch.Tensor, out: torch.Tensor) -> None:
         n = kv.shape[2] if kv.dim() == 5 else -1
-        if tuple(kv.shape) != spec.kv_shape(max(n, 0)) or kv.dtype != TORCH_DTYPES[spec.dtype]:
+        if tuple(kv.shape) != spec.kv_shape(max(n, 0)) or kv.dtype != KV_DTYPES[spec.dtype]:
             raise ValueError(f"{self.name} codec: kv must be (L, 2, n, H, D) = {spec.kv_shape(max(n, 0))} "
                              f"{spec.dtype}, got {tuple(kv.shape)} {kv.dtype}")
         if out.device != kv.device:  # quantize where the KV is, then move the compact bytes
@@ -67,7 +68,7 @@ class _QuantCodec:
 
     def decode(self, spec: ModelSpec, data: torch.Tensor, num_tokens: int, out: torch.Tensor) -> None:
         shape = spec.kv_shape(num_tokens)
-        if tuple(out.shape) != shape or out.dtype != TORCH_DTYPES[spec.dtype]:
+        if tuple(out.shape) != shape or out.dtype != KV_DTYPES[spec.dtype]:
             raise ValueError(f"{self.name} codec: out must be {shape} {spec.dtype}, got {tuple(out.shape)} {out.dtype}")
         if data.device != out.device:
             data = data.to(out.device)  # the compact bytes cross, not the dequantized KV

@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from kvstore.codecs import TORCH_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPES
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.index import Node, PageIndex
 from kvstore.page_slice import WHOLE, PageSlice
@@ -84,4 +84,4 @@ class StoreState:
 
 
 def empty_kv(spec: ModelSpec, dev: torch.device, part: PageSlice = WHOLE) -> torch.Tensor:
-    return torch.empty(part.kv_shape(spec, 0), dtype=TORCH_DTYPES[spec.dtype], device=dev)  # (L, 2, 0, H, D)
+    return torch.empty(part.kv_shape(spec, 0), dtype=KV_DTYPES[spec.dtype], device=dev)  # (L, 2, 0, H, D)

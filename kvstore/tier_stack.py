@@ -26,7 +26,8 @@ from typing import Any, Iterator, Literal
 import numpy as np
 import torch
 
-from kvstore.codecs import TORCH_DTYPES, Codec, get_codec
+from kvstore.codecs import Codec, get_codec
+from kvstore.gpu.dtypes import KV_DTYPES
 from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.index import Node
@@ -164,7 +165,7 @@ class TierStack:
                 offset = slot[0]
                 np.copyto(buffer[offset:offset + kv.nbytes].view(kv.dtype).reshape(kv.shape), kv, casting="no")
                 return
-            kv = torch.from_numpy(kv).view(TORCH_DTYPES[spec.dtype])  # bfloat16 is held as int16
+            kv = torch.from_numpy(kv).view(KV_DTYPES[spec.dtype])  # bfloat16 is held as int16
         self.put_page(spec, node, tier, kv=kv, slot=slot)
 
     def record_batches(self, reads: list, spec: ModelSpec | None = None, out: torch.Tensor | np.ndarray | None = None,
@@ -236,7 +237,7 @@ class TierStack:
         if whole:
             codec.decode(spec, data, n, out)
             return True
-        page = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype], device=out.device)  # (L, 2, n, H, D)
+        page = torch.empty(spec.kv_shape(n), dtype=KV_DTYPES[spec.dtype], device=out.device)  # (L, 2, n, H, D)
         codec.decode(spec, data, n, page)
         return page
 
@@ -274,7 +275,7 @@ class TierStack:
         if self.codecs[src].name == self.codecs[dst].name:
             # Same encoding below: hand the bytes down as they are (one copy, no re-encode).
             return self.put_page(spec, node, dst, payload=data.clone()) is not None
-        kv = torch.empty(spec.kv_shape(n), dtype=TORCH_DTYPES[spec.dtype])  # (L, 2, n, H, D)
+        kv = torch.empty(spec.kv_shape(n), dtype=KV_DTYPES[spec.dtype])  # (L, 2, n, H, D)
         self.codecs[src].decode(spec, data.cpu(), n, kv)
         return self.put_page(spec, node, dst, kv=kv) is not None
 

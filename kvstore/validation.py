@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.codecs import TORCH_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidRequest, InvalidStart, InvalidTokens
 from kvstore.index import TOKEN_BYTES
@@ -155,7 +155,7 @@ def check_kv(kv: Any, spec: ModelSpec, num_tokens: int, part: PageSlice = WHOLE)
                 raise InvalidKV(f"kv: unsupported array: {exc}", field="kv") from None
         else:
             raise InvalidKV(f"kv: expected a torch tensor or numpy array, got {type(kv).__name__}", field="kv")
-    if kv.dtype is not TORCH_DTYPES[spec.dtype]:  # torch dtypes are singletons
+    if kv.dtype is not KV_DTYPES[spec.dtype]:  # torch dtypes are singletons
         raise InvalidKV(f"kv: dtype must be {spec.dtype} (the model's), got {str(kv.dtype).removeprefix('torch.')}",
                         field="kv")
     want = part.kv_shape(spec, num_tokens)

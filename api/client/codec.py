@@ -18,8 +18,7 @@ import torch
 
 from kvstore.api.protocol import JSON, MSGPACK, SHM_REGION_FIELDS
 from kvstore.api.framing import FramingError, pack_map_prefix, unpack_map
-from kvstore.codecs import TORCH_DTYPES
-from kvstore.gpu.dtypes import KV_DTYPE_NAMES, NUMPY_KV_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES, KV_DTYPES, NUMPY_KV_DTYPES
 from kvstore.config import DTYPE_BYTES, ModelSpec
 from kvstore.errors import ERRORS_BY_CODE, InvalidKV, InvalidTokens, KVStoreError
 from kvstore.keys import MAX_TOKEN_ID
@@ -62,7 +61,7 @@ def kv_bytes(kv: Any) -> tuple[memoryview, str]:
     if not isinstance(kv, torch.Tensor):
         raise InvalidKV(f"kv: expected a torch tensor or numpy array, got {type(kv).__name__}", field="kv")
     if kv.dtype not in KV_DTYPE_NAMES:
-        raise InvalidKV(f"kv: dtype must be one of {', '.join(TORCH_DTYPES)}, got {kv.dtype}", field="kv")
+        raise InvalidKV(f"kv: dtype must be one of {', '.join(KV_DTYPES)}, got {kv.dtype}", field="kv")
     if kv.dim() != 5:
         raise InvalidKV(f"kv: expected shape (L, 2, T, H, D), got {tuple(kv.shape)}", field="kv")
     dense = kv.detach().cpu().contiguous()
@@ -182,7 +181,7 @@ def fetch_result(obj: dict[str, Any], device: str = "cpu", raw: Any = None) -> F
     array = raw if isinstance(raw, np.ndarray) else kv_array(np.frombuffer(raw, dtype=np.uint8), obj)
     kv = torch.from_numpy(array)
     if array.dtype == np.uint8:  # bfloat16: typed by torch
-        kv = kv.view(TORCH_DTYPES[obj["dtype"]]).view(tuple(obj["shape"]))
+        kv = kv.view(KV_DTYPES[obj["dtype"]]).view(tuple(obj["shape"]))
     return FetchResult(matched_tokens=obj["matched_tokens"], kv=kv if device == "cpu" else kv.to(device))
 
 

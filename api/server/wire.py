@@ -29,8 +29,7 @@ from kvstore.api.framing import FramingError, unpack_map
 from kvstore.api.nesting import json_too_deep
 from kvstore.api.protocol import JSON, MSGPACK, SHM_REGION_FIELDS, SHM_REGISTRATION_FIELDS
 from kvstore.api.server.shared_memory import Registration
-from kvstore.codecs import TORCH_DTYPES
-from kvstore.gpu.dtypes import KV_DTYPE_NAMES, NUMPY_KV_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPE_NAMES, KV_DTYPES, NUMPY_KV_DTYPES
 from kvstore.config import ModelSpec
 from kvstore.errors import InvalidKV, InvalidModelName, InvalidModelSpec, InvalidRequest, InvalidStart, InvalidTokens
 from kvstore.keys import MAX_TOKEN_ID
@@ -185,8 +184,8 @@ def _store_request(body: dict[str, Any], optional: tuple[str, ...]) -> StoreRequ
     if not isinstance(kv, memoryview):
         raise InvalidKV(f"kv: expected a bin of the (L, 2, T, H, D) tensor, got {_show(kv)}", field="kv")
     dtype = body.get("dtype")
-    if dtype is not None and (not isinstance(dtype, str) or dtype not in TORCH_DTYPES):  # a list would not even hash
-        raise InvalidKV(f"dtype: must be one of {', '.join(TORCH_DTYPES)}, got {_show(dtype)}", field="dtype")
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in KV_DTYPES):  # a list would not even hash
+        raise InvalidKV(f"dtype: must be one of {', '.join(KV_DTYPES)}, got {_show(dtype)}", field="dtype")
     return StoreRequest(model_name(body["model"]), toks, start(body.get("start", 0), len(toks)), region,
                         body.get("salt"), body.get("heads"), body.get("layers"), kv, dtype)
 
@@ -258,11 +257,11 @@ def kv_tensor(kv: memoryview, spec: ModelSpec, num_tokens: int, dtype: str | Non
                         f"{expected} bytes, got {kv.nbytes}", field="kv")
     shape = part.kv_shape(spec, num_tokens)
     if not expected:
-        return torch.empty(shape, dtype=TORCH_DTYPES[spec.dtype])
+        return torch.empty(shape, dtype=KV_DTYPES[spec.dtype])
     np_dtype = NUMPY_KV_DTYPES.get(spec.dtype)
     if np_dtype is not None:  # viewed by numpy: torch.frombuffer and its view cost twice as much
         return torch.from_numpy(np.frombuffer(kv, dtype=np_dtype).reshape(shape))
-    return torch.frombuffer(kv, dtype=TORCH_DTYPES[spec.dtype]).view(shape)  # (L, 2, T, H, D)
+    return torch.frombuffer(kv, dtype=KV_DTYPES[spec.dtype]).view(shape)  # (L, 2, T, H, D)
 
 
 def _error_for(name: str) -> type[InvalidRequest]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.codecs import CODECS, TORCH_DTYPES, get_codec
+from kvstore.codecs import CODECS, get_codec
+from kvstore.gpu.dtypes import KV_DTYPES
 from kvstore.config import ModelSpec
 
 
@@ -16,7 +17,7 @@ def _spec(dtype: str = "float16", head_dim: int = 64) -> ModelSpec:
 def _kv(spec: ModelSpec, n: int, seed: int = 0) -> torch.Tensor:
     x = torch.randn(spec.kv_shape(n), generator=torch.Generator().manual_seed(seed)) * 4  # (L, 2, n, H, D)
     x[:, 0, ..., 3] *= 50  # an outlier channel in K, as real models have
-    return x.to(TORCH_DTYPES[spec.dtype])
+    return x.to(KV_DTYPES[spec.dtype])
 
 
 def _roundtrip(codec_name: str, spec: ModelSpec, kv: torch.Tensor, data: torch.Tensor | None = None) -> torch.Tensor:
