@@ -47,9 +47,17 @@ system-deps:
 serve: install
 	$(VENV)/bin/kvstore serve --data-dir ./kvstore-data
 
-# ruff (config in pyproject.toml) and the import layers (tests/test_layers.py), before any test runs.
+# ruff and mypy (config in pyproject.toml) and the import layers (tests/test_layers.py), before any
+# test runs. mypy reads the library as the installed `kvstore` namespace through a tree of links
+# (build/typecheck/kvstore: kvstore/'s files, and api/, tiers/, gpu/, decode/ as its subpackages),
+# since it cannot follow the editable install's import hook.
+TYPECHECK_TREE := build/typecheck/kvstore
 lint: install
 	$(VENV)/bin/ruff check .
+	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)
+	for f in kvstore/*; do ln -s ../../../$$f $(TYPECHECK_TREE)/; done
+	for p in api tiers gpu decode; do ln -s ../../../$$p $(TYPECHECK_TREE)/$$p; done
+	$(VENV)/bin/mypy -p kvstore
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 # One worker per CPU (tests/conftest.py gives each its own cores), a whole file per worker so a
