@@ -194,7 +194,7 @@ def _convert(model: KnownModel, gguf: Path, into: Path, log: Callable[[str], Non
     hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                     dtype=getattr(torch, model.dtype))
     # The weights are plain tensors once dequantized; the GGUF quantizer only blocks saving them.
-    hf_model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as a quantizer object
+    hf_model.hf_quantizer = None
     if hasattr(hf_model.config, "quantization_config"):
         del hf_model.config.quantization_config
     hf_model.save_pretrained(into)
