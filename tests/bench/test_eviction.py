@@ -55,7 +55,7 @@ def test_lru_replay_matches_brute_force(capacity: int) -> None:
 
 @pytest.mark.parametrize("preset", sorted(SMALL))
 def test_belady_is_at_least_lru_and_lru_prefix(preset: str) -> None:
-    trace = compile_trace(preset, generate(replace(SMALL[preset], seed=7)))
+    trace = compile_trace(preset, generate(replace(SMALL[preset], seed=7, num_requests=250)))
     for fraction in (0.02, 0.2):  # the scarce end and the roomy end
         tiers = [("cpu", max(round(fraction * trace.unique_blocks), 400))]
         oracle = NextUse()
