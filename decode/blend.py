@@ -12,6 +12,11 @@ tool outputs, the user's question). Its prefill:
               attention standalone KV lacks
     question  computed in full, attending to everything before it: the first token's logits
 
+With `audit_rate`, each chunk hit of at least one page is audited with that probability
+(decode/chunk_audit.py: its last full page recomputed standalone at its positions here and
+compared with the stored page). A failed chunk is reported to the store, which drops it, and is
+treated as a miss: computed standalone here, stored fresh, blended on.
+
 Only the prefix goes back to the store under prefix keys. Blended chunk KV is not what a full
 prefill computes (unless ratio = 1), so storing the whole prompt as a prefix would hand
 approximate KV to exact prefix reuse.
@@ -32,12 +37,14 @@ import torch
 
 from kvstore.decode.attention import AttentionContext
 from kvstore.decode.blend_selection import TokenSelection
+from kvstore.decode.chunk_audit import audit_chunk
 from kvstore.decode.model import LlamaModel
 from kvstore.decode.paged_cache import BlockTable, PagedKVCache
 from kvstore.decode.recompute import selective_recompute
-from kvstore.decode.reuse import BackendWarning, PrefixReuse
+from kvstore.decode.reuse import BackendWarning, PrefixReuse, log
 from kvstore.errors import Unsupported
 from kvstore.rerotate import check_rerotatable, rerotate_into
+from kvstore.reuse_audit import AuditOutcome, sampled
 
 DEFAULT_BLEND_RATIO = 0.15  # the paper's operating point: quality of a full prefill at ~15% recompute
 
@@ -50,6 +57,7 @@ class BlendOutcome:
     recomputed_tokens: int = 0  # chunk tokens recomputed through the layers after the first
     fetch_s: float = 0.0  # time spent talking to the store and placing its KV
     error: str | None = None  # why the store (or blending) could not be used, if it could not
+    chunk_audits: tuple[AuditOutcome, ...] = ()  # the audited chunk hits' outcomes, in prompt order
 
 
 def blended_prompt(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int]) -> list[int]:
@@ -59,7 +67,7 @@ def blended_prompt(prefix: Sequence[int], chunks: Sequence[Sequence[int]], quest
 def cache_tokens(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int],
                  max_new_tokens: int, page_size: int) -> int:
     """Cache slots a blended request needs: the sequence's pages, plus pages to compute the
-    longest missed chunk standalone beside it."""
+    longest missed (or audited) chunk standalone beside it."""
     pages = lambda n: -(-n // page_size)  # noqa: E731
     sequence = len(blended_prompt(prefix, chunks, question)) + max_new_tokens
     return page_size * (pages(sequence) + pages(max((len(c) for c in chunks), default=0)))
@@ -86,6 +94,21 @@ class ChunkReuse(PrefixReuse):
             return [False] * len(chunks), None, self._degrade("blend", exc)
         return [bool(h) for h in found.hits], kv, None
 
+    def audited_chunk(self, chunk: list[int], kv: torch.Tensor, position: int, cache: PagedKVCache,
+                      audit_rate: float) -> AuditOutcome | None:
+        """With probability `audit_rate`, audit a chunk hit (`kv`: blend's answer for it, at
+        `position`) and report the outcome; None when not audited (or shorter than a page: no draw)."""
+        if len(chunk) < self.model.spec.page_size or not sampled(audit_rate):
+            return None
+        outcome = audit_chunk(self.model, chunk, kv, position, cache)
+        if outcome is None:
+            return None
+        if not outcome.passed:
+            log.warning("kvstore audit: model %s, chunk of %d tokens at position %d, %s; computing it standalone",
+                        self.model.name, len(chunk), position, outcome.describe())
+        self.report_audit(chunk, outcome, tier=None, chunk=True)  # the store names the tier holding the chunk
+        return outcome
+
     def store_chunk(self, tokens: list[int], kv: torch.Tensor) -> str | None:
         try:
             self._call_registered(lambda: self.backend.store_chunk(self.model.name, tokens, kv, tenant=self.tenant))
@@ -96,10 +119,12 @@ class ChunkReuse(PrefixReuse):
 
 def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]], question: list[int],
                   cache: PagedKVCache, table: BlockTable, reuse: ChunkReuse | None, *, ratio: float,
-                  store: bool = True, selection: TokenSelection = TokenSelection()) -> BlendOutcome:
+                  store: bool = True, selection: TokenSelection = TokenSelection(),
+                  audit_rate: float = 0.0) -> BlendOutcome:
     """Prefill [prefix][chunks][question] into `table` (reserved for the whole sequence) and
     return the last token's logits. `reuse` None: no store, every chunk computed standalone.
-    `selection`: which chunk tokens are recomputed (the deviation rule, or a control)."""
+    `selection`: which chunk tokens are recomputed (the deviation rule, or a control).
+    `audit_rate`: the probability that a chunk hit is audited (the module docstring)."""
     if not question:
         raise ValueError("prompt_tokens: the question after the chunks must not be empty "
                          "(its last token gives the logits)")
@@ -121,16 +146,10 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
     hits, kv, error = reuse.load_chunks(chunks, start) if reuse else ([False] * len(chunks), None, None)
     if error:
         errors.append(error)
-    offset = start
-    for chunk, chunk_hit in zip(chunks, hits):
-        if chunk_hit:
-            assert kv is not None  # load_chunks answers the hits' KV
-            cache.scatter(table, kv[:, :, offset - start:offset - start + len(chunk)], start=offset)  # (L, 2, n, H, D)
-            reused += len(chunk)
-        else:
-            chunk_kv = _standalone(model, chunk, cache, reuse if store else None, errors, offset)
-            cache.scatter(table, chunk_kv, start=offset)
-        offset += len(chunk)
+    audits = _place_chunks(model, chunks, hits, kv, start, cache, table, reuse, errors, store=store,
+                           audit_rate=audit_rate)
+    reused += sum(len(chunk) for chunk, chunk_hit in zip(chunks, hits) if chunk_hit)
+    offset = start + sum(map(len, chunks))
     fetch_s = time.perf_counter() - started
     chunk_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)  # (C,)
     ends = [start + sum(map(len, chunks[:i + 1])) for i in range(len(chunks))]
@@ -140,7 +159,30 @@ def blend_prefill(model: LlamaModel, prefix: list[int], chunks: list[list[int]],
                                      question_ids)
     logits = _run(model, question, offset, cache, table, logits=True)
     assert logits is not None
-    return BlendOutcome(logits, reused, hits, recomputed, fetch_s, "; ".join(errors) or None)
+    return BlendOutcome(logits, reused, hits, recomputed, fetch_s, "; ".join(errors) or None, audits)
+
+
+def _place_chunks(model: LlamaModel, chunks: list[list[int]], hits: list[bool], kv: torch.Tensor | None, start: int,
+                  cache: PagedKVCache, table: BlockTable, reuse: ChunkReuse | None, errors: list[str], *,
+                  store: bool, audit_rate: float) -> tuple[AuditOutcome, ...]:
+    """Put each chunk's KV at its place in `table` from `start`: a hit's as `blend` answered it
+    (after its audit, when drawn), a miss's computed standalone. A hit whose audit failed turns
+    into a miss in `hits`. Returns the audits' outcomes."""
+    audits = []
+    offset = start
+    for i, chunk in enumerate(chunks):
+        if hits[i]:
+            assert kv is not None and reuse is not None  # load_chunks answers the hits' KV
+            chunk_kv = kv[:, :, offset - start:offset - start + len(chunk)]  # (L, 2, n, H, D)
+            audit = reuse.audited_chunk(chunk, chunk_kv, offset, cache, audit_rate)
+            if audit is not None:
+                audits.append(audit)
+            hits[i] = audit is None or audit.passed
+        if not hits[i]:
+            chunk_kv = _standalone(model, chunk, cache, reuse if store else None, errors, offset)
+        cache.scatter(table, chunk_kv, start=offset)
+        offset += len(chunk)
+    return tuple(audits)
 
 
 def _run(model: LlamaModel, tokens: Sequence[int], start: int, cache: PagedKVCache, table: BlockTable, *,

@@ -43,8 +43,9 @@ def register(subparsers: Any) -> None:
                      help=f"with --chunk-file: fraction of chunk tokens recomputed (default {DEFAULT_BLEND_RATIO})")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--audit-rate", type=float, default=0.0,
-                     help="probability (0-1) that a prefix hit is audited: its last full page is computed and "
-                          "compared with the stored one; a failure drops the path and recomputes (default 0: off)")
+                     help="probability (0-1) that a prefix hit, or with --chunk-file a chunk hit, is audited: its "
+                          "last full page is computed and compared with the stored one; a failure drops the path "
+                          "(the chunk) and recomputes (default 0: off)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)

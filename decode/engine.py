@@ -18,7 +18,8 @@ KV that failed.
 
 With `chunks`, the prompt is [prefix][chunk 1]...[chunk N][prompt_tokens] and its prefill is
 CacheBlend's (decode/blend.py): the chunks' KV comes from the store wherever they sat before,
-and a fraction `blend_ratio` of their tokens is recomputed.
+and a fraction `blend_ratio` of their tokens is recomputed. There `audit_rate` audits chunk hits
+(decode/chunk_audit.py): a failed chunk is dropped by the store and computed standalone here.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class GenerateResult:
     recomputed_tokens: int = 0  # CacheBlend: chunk tokens recomputed past the first layer
     text: str | None = None  # the generated tokens as text, when the model has a tokenizer
     prompt_ids: list[int] = field(default_factory=list)  # the whole prompt as the model saw it
-    audit: AuditOutcome | None = None  # the audit of this request's reused KV, when it was audited
+    audit: AuditOutcome | None = None  # the audit of this request's reused prefix, when it was audited
+    chunk_audits: tuple[AuditOutcome, ...] = ()  # CacheBlend: the audits of chunk hits, in prompt order
 
     def summary(self) -> str:
         tpot = "-" if self.tpot_s is None else f"{self.tpot_s * 1e3:.1f} ms"
@@ -69,6 +71,7 @@ class GenerateResult:
             f"chunks hit {sum(self.chunk_hits)}/{len(self.chunk_hits)}, "
             f"recomputed {self.recomputed_tokens} chunk tokens; ")
         audit = "" if self.audit is None else f"audit {self.audit.describe()}; "
+        audit += "".join(f"chunk audit {a.describe()}; " for a in self.chunk_audits)
         return blend + audit + (f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens, "
                 f"computed {self.computed_tokens}, "
                 f"TTFT {self.ttft_s * 1e3:.1f} ms (fetch {self.fetch_s * 1e3:.1f} ms), TPOT {tpot}, "
@@ -120,7 +123,8 @@ def generate(model: LlamaModel, prompt_tokens: Prompt, max_new_tokens: int,
     recomputed (0: plain concatenation of their KV, 1: exactly a full prefill), missed chunks are
     computed and stored with `store_chunk`. Only the prefix is stored as a prefix.
 
-    `audit_rate` (0 to 1): the probability that a hit is audited (the module docstring).
+    `audit_rate` (0 to 1): the probability that a hit, or with `chunks` a chunk hit, is audited
+    (the module docstring).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
@@ -156,7 +160,8 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
     audit = None
     device = model.device
     if blend is not None:
-        outcome = blend_prefill(model, *blend, cache, table, reuse, ratio=blend_ratio, store=store)
+        outcome = blend_prefill(model, *blend, cache, table, reuse, ratio=blend_ratio, store=store,
+                                audit_rate=audit_rate)
         hit, reused, fetch_s, logits = None, outcome.reused_tokens, outcome.fetch_s, outcome.logits
         table.num_tokens = n
     else:
@@ -214,7 +219,8 @@ def _run(model: LlamaModel, prompt: list[int], max_new_tokens: int, cache: Paged
         logits=torch.stack(kept) if kept is not None else None,
         chunk_hits=outcome.chunk_hits if outcome else None,
         recomputed_tokens=outcome.recomputed_tokens if outcome else 0,
-        text=None if model.tokenizer is None else model.tokenizer.decode(output), prompt_ids=prompt, audit=audit)
+        text=None if model.tokenizer is None else model.tokenizer.decode(output), prompt_ids=prompt, audit=audit,
+        chunk_audits=outcome.chunk_audits if outcome else ())
 
 
 def _prefill(model: LlamaModel, prompt: list[int], start: int, cache: PagedKVCache, table: BlockTable) -> torch.Tensor:

@@ -172,19 +172,28 @@ class PrefixReuse:
         caller recomputes the request's whole prefix after a failure."""
         computed = cache.gather(table, audit.start, audit.end)  # (L, 2, P, H, D)
         outcome = compare_page(computed, audit.stored, self.model.dtype)
-        failure = outcome.first_failure
-        if failure is not None:
+        if not outcome.passed:
             log.warning("kvstore audit: model %s, %s; recomputing this request's prefix", self.model.name,
                         outcome.describe())
-        report = getattr(self.backend, "report_audit", None)  # the store logs the failure and drops the path
-        if report is not None:
-            try:
-                self._call_registered(lambda: report(self.model.name, audit.query, passed=outcome.passed,
-                                                     tier=audit.tier, layer=None if failure is None else failure[0],
-                                                     tenant=self.tenant))
-            except Exception as exc:
-                self._degrade("report_audit", exc)
+        self.report_audit(audit.query, outcome, tier=audit.tier)
         return outcome
+
+    def report_audit(self, tokens: list[int], outcome: AuditOutcome, *, tier: str | None,
+                     chunk: bool = False) -> None:
+        """Tell the store (it counts, and on a failure logs and drops the path: the chunk's own
+        tree for a `chunk`). A backend without report_audit is told nothing; the request still
+        acts on the outcome."""
+        report = getattr(self.backend, "report_audit", None)
+        if report is None:
+            return
+        failure = outcome.first_failure
+        layer = None if failure is None else failure[0]
+        extra = {"chunk": True} if chunk else {}  # a prefix's report: what backends without chunk audits take
+        try:
+            self._call_registered(lambda: report(self.model.name, tokens, passed=outcome.passed, tier=tier,
+                                                 layer=layer, tenant=self.tenant, **extra))
+        except Exception as exc:
+            self._degrade("report_audit", exc)
 
     def _check_kv(self, kv: Any, matched: int, asked: int) -> torch.Tensor:
         # Trust nothing from across a process boundary: a wrong shape or dtype means a wrong answer.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from kvstore.config import ModelSpec
-from kvstore.results import BlendResult, FetchResult, LookupResult, StoreResult
+from kvstore.results import AuditReport, BlendResult, FetchResult, LookupResult, StoreResult
 
 
 @runtime_checkable
@@ -24,3 +24,6 @@ class KVCacheBackend(Protocol):
 
     def blend(self, model: str, chunks: Sequence[Sequence[int]], *, start_pos: int = 0,
               tenant: str | None = None) -> BlendResult: ...
+
+    def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str | None = None,
+                     layer: int | None = None, tenant: str | None = None, chunk: bool = False) -> AuditReport: ...

@@ -44,7 +44,7 @@ from kvstore.registry import Model
 from kvstore.rerotate import check_rerotatable
 from kvstore.results import AuditReport, BlendResult, FetchResult, LookupResult, StoreResult
 from kvstore.shared_probe import probe_shared
-from kvstore.store_audit import check_layer, check_passed, check_tier_name, record_audit
+from kvstore.store_audit import check_chunk_flag, check_layer, check_passed, check_tier_name, record_audit
 from kvstore.store_state import StoreState
 from kvstore.store_stats import store_stats
 from kvstore.validation import (CPU, check_chunks, check_device, check_into, check_kv, check_model_name, check_start,
@@ -279,15 +279,22 @@ class KVStore:
                             root_key, entry.spec, tbs, start_pos, dev)
 
     # -- audited reuse (kvstore/reuse_audit.py, kvstore/store_audit.py) ------------------------
-    def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str, layer: int | None = None,
-                     tenant: str | None = None, salt: str | None = None) -> AuditReport:
+    def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str | None = None,
+                     layer: int | None = None, tenant: str | None = None, salt: str | None = None,
+                     chunk: bool = False) -> AuditReport:
         """An engine's audit of the KV it reused for `tokens`' cached prefix, served by `tier`:
         counted per model and tier; a failure (first failing `layer`, if known) drops the matched
-        path's pages from every tier and logs one error."""
+        path's pages from every tier and logs one error. `chunk`: `tokens` are a CacheBlend chunk,
+        stored with `store_chunk`, and its own tree is the path. `tier` None: the tier holding the
+        audited page now (a blend answer does not say which tier served a chunk)."""
         entry = self._model(model, tenant)
         tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
-        return record_audit(self._state, model, tenant, _root(entry, salt), entry.spec.page_size, tb,
-                            passed=check_passed(passed), tier=check_tier_name(tier), layer=check_layer(layer))
+        root_key = _root(entry, salt)
+        if check_chunk_flag(chunk):
+            root_key = chunk_key(root_key, tb)
+        return record_audit(self._state, model, tenant, root_key, entry.spec.page_size, tb,
+                            passed=check_passed(passed), tier=check_tier_name(tier), layer=check_layer(layer),
+                            chunk=chunk)
 
     # -- what the sidecar's adapter calls (api/server/loop_store.py): not the embedder's surface -----
     def _register_model(self, model: str, spec: ModelSpec, *, tenant: str | None = None) -> bool:

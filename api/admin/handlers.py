@@ -40,11 +40,11 @@ async def stats(request: web.Request) -> web.Response:
 async def audit(request: web.Request) -> web.Response:
     """An engine's audit of reused KV (kvstore/store_audit.py): counted; a failure drops the path."""
     body = await _body(request)
-    wire.check_fields(body, ("model", "tokens", "passed", "tier"), ("layer", "salt"))
+    wire.check_fields(body, ("model", "tokens", "passed"), ("tier", "layer", "salt", "chunk"))
     model, tokens = wire.model_name(body["model"]), wire.tokens(body["tokens"])
     report = await run_blocking(request, request.app[STORE].report_audit, model, tokens, passed=body["passed"],
-                                tier=body["tier"], layer=body.get("layer"), tenant=tenant_of(request),
-                                salt=body.get("salt"))
+                                tier=body.get("tier"), layer=body.get("layer"), tenant=tenant_of(request),
+                                salt=body.get("salt"), chunk=body.get("chunk", False))
     return admin_wire.respond(request, {"dropped_pages": report.dropped_pages, "kept_pages": report.kept_pages})
 
 

@@ -75,11 +75,11 @@ class AsyncKVStoreClient:
         return await self._run(self._client.blend, model, chunks, start_pos=start_pos, tenant=tenant, salt=salt,
                                device=device)
 
-    async def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str,
-                           layer: int | None = None, tenant: str | None = None,
-                           salt: str | None = None) -> AuditReport:
+    async def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str | None = None,
+                           layer: int | None = None, tenant: str | None = None, salt: str | None = None,
+                           chunk: bool = False) -> AuditReport:
         return await self._run(self._client.report_audit, model, tokens, passed=passed, tier=tier, layer=layer,
-                               tenant=tenant, salt=salt)
+                               tenant=tenant, salt=salt, chunk=chunk)
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._client.stats)

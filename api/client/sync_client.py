@@ -166,11 +166,14 @@ class KVStoreClient:
         body = codec.blend_body(model, chunks, start_pos, salt)
         return codec.blend_result(self._call("POST", BLEND_PATH, [body]), device)
 
-    def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str, layer: int | None = None,
-                     tenant: str | None = None, salt: str | None = None) -> AuditReport:
+    def report_audit(self, model: str, tokens: Sequence[int], *, passed: bool, tier: str | None = None,
+                     layer: int | None = None, tenant: str | None = None, salt: str | None = None,
+                     chunk: bool = False) -> AuditReport:
         codec.check_tenant(tenant)
         fields = codec.with_salt({"model": model, "tokens": codec.tokens_bin(tokens), "passed": passed,
                                   "tier": tier, "layer": layer}, salt)
+        if chunk is not False:  # a prefix's report stays what sidecars without chunk audits read
+            fields["chunk"] = chunk
         answer = self._call("POST", "/v1/audit", [codec.small_body(fields)])
         return AuditReport(int(answer["dropped_pages"]), int(answer["kept_pages"]))
 

@@ -80,16 +80,20 @@ def rotate_k(model: LlamaModel, kv: torch.Tensor, by: torch.Tensor) -> torch.Ten
     return out
 
 
-def cpu_slot(store: KVStore, model: LlamaModel, tokens: list[int], page_index: int) -> torch.Tensor:
-    """The CPU-tier bytes of page `page_index` of `tokens`' stored path (a view: writes go behind
-    the store's back)."""
+def cpu_slot(store: KVStore, model: LlamaModel, tokens: list[int], page_index: int, *,
+             chunk: bool = False) -> torch.Tensor:
+    """The CPU-tier bytes of page `page_index` of `tokens`' stored path (`chunk`: of the chunk
+    `tokens` stored with store_chunk; a view: writes go behind the store's back)."""
+    from kvstore.keys import chunk_key
     from kvstore.limits import MAX_TOKENS
     from kvstore.validation import token_bytes
 
     state = store._state
+    tb = token_bytes(tokens, max_tokens=MAX_TOKENS)
     with state.lock:
         namespace = store._registry.get(model.name, None).namespace
-        path = state.index.match(namespace, token_bytes(tokens, max_tokens=MAX_TOKENS), model.spec.page_size).path
+        root = chunk_key(namespace, tb) if chunk else namespace
+        path = state.index.match(root, tb, model.spec.page_size).path
         node = path[page_index]
         offset, _ = state.tiers.slot_tiers["cpu"].get(node.key)
         nbytes = node.tiers["cpu"]
@@ -124,29 +128,34 @@ def _reference(model: LlamaModel, prompt: list[int], new_tokens: int) -> list[in
 
 
 def plant(fault: str, model: LlamaModel, store: KVStore, prompt: list[int], other: list[int], page: int,
-          rng: random.Random, *, shift: int = 1) -> None:
-    """Store `prompt`'s pages in `store` with `fault` placed in page `page`."""
+          rng: random.Random, *, shift: int = 1, chunk: bool = False) -> None:
+    """Store `prompt`'s pages in `store` with `fault` placed in page `page` (`chunk`: `prompt` and
+    `other` stored as CacheBlend chunks, with store_chunk; their KV is computed alone either way)."""
     p = model.spec.page_size
     span = slice(page * p, (page + 1) * p)
+
+    def put(tokens: list[int], kv: torch.Tensor) -> None:
+        (store.store_chunk if chunk else store.store)(model.name, tokens, kv)
+
     if fault == "weights-1.01":
         scaled = copy.deepcopy(model)
         layer = scaled.layers[len(scaled.layers) // 2]  # a middle layer: its K/V and everything after it move
         with torch.no_grad():
             for param in layer.parameters():
                 param.mul_(1.01)
-        store.store(model.name, prompt, full_kv(scaled, prompt))
+        put(prompt, full_kv(scaled, prompt))
         return
     kv = full_kv(model, prompt)
     if fault in ("slot-bytes", "collision"):
-        store.store(model.name, prompt, kv)
-        slot = cpu_slot(store, model, prompt, page)
+        put(prompt, kv)
+        slot = cpu_slot(store, model, prompt, page, chunk=chunk)
         if fault == "slot-bytes":  # 256 random bytes at a random place in the page's slot
             at = rng.randrange(0, slot.numel() - 256)
             slot[at:at + 256] = torch.randint(0, 256, (256,), dtype=torch.uint8,
                                               generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         else:  # the same page of another prompt, under this prompt's key
-            store.store(model.name, other, full_kv(model, other))
-            slot.copy_(cpu_slot(store, model, other, page))
+            put(other, full_kv(model, other))
+            slot.copy_(cpu_slot(store, model, other, page, chunk=chunk))
         return
     bad = kv.clone()
     positions = torch.arange(span.start, span.stop)
@@ -162,7 +171,7 @@ def plant(fault: str, model: LlamaModel, store: KVStore, prompt: list[int], othe
         bad[:, :, span], bad[:, :, swap] = kv[:, :, swap], kv[:, :, span]
     else:
         raise ValueError(f"fault: expected one of {', '.join(FAULTS)}, got {fault!r}")
-    store.store(model.name, prompt, bad)
+    put(prompt, bad)
 
 
 def run_fault(model: LlamaModel, text: list[int], fault: str, where: str, rng: random.Random, *,

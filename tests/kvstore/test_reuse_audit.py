@@ -117,3 +117,51 @@ def test_the_sidecar_takes_audits_and_drops_the_path():
         assert client.stats()["audits"] == {"m": {"cpu": {"passes": 1, "failures": 1}}}
         with pytest.raises(InvalidRequest, match="tier"):
             client.report_audit("m", tokens, passed=True, tier="gpu")
+
+
+def _chunk(store, n: int, model: str = "m") -> list[int]:
+    store.register_model(model, SPEC)
+    tokens = list(range(500, 500 + n))
+    store.store_chunk(model, tokens, torch.randn(SPEC.kv_shape(n)).to(torch.float16))
+    return tokens
+
+
+def test_a_chunk_audit_drops_the_chunks_own_tree_and_names_its_tier():
+    with KVStore(StoreConfig(data_dir=None, cpu_bytes=1 << 20, disk_bytes=0)) as store:
+        chunk = _chunk(store, 10)
+        prefix = _stored(store, 10)  # the same length under the prefix tree: not the chunk's path
+        assert store.blend("m", [chunk]).hits == [True]
+        # No tier: the store names the one holding the chunk's last full page.
+        assert store.report_audit("m", chunk, passed=True, chunk=True).dropped_pages == 0
+        report = store.report_audit("m", chunk, passed=False, layer=1, chunk=True)
+        assert report.dropped_pages == 3 and report.kept_pages == 0  # 2 full pages and the tail
+        assert store.blend("m", [chunk]).hits == [False]
+        assert store.lookup("m", prefix).matched_tokens == 10  # the prefix tree stays
+        assert store.stats()["audits"] == {"m": {"cpu": {"passes": 1, "failures": 1}}}
+        with pytest.raises(InvalidRequest, match="chunk: expected true or false, got 1"):
+            store.report_audit("m", chunk, passed=True, chunk=1)  # type: ignore[arg-type]
+
+
+def test_the_sidecar_takes_chunk_audits_and_refuses_a_bad_chunk_value():
+    import json
+    import urllib.error
+    import urllib.request
+
+    from kvstore.api.client import KVStoreClient
+    from kvstore.api.server.in_process import InProcessSidecar
+
+    with InProcessSidecar(StoreConfig(data_dir=None, cpu_bytes=1 << 20, disk_bytes=0)) as url, \
+            KVStoreClient(url) as client:
+        chunk = _chunk(client, 8)  # type: ignore[arg-type]
+        assert client.report_audit("m", chunk, passed=True, tier="cpu", chunk=True).dropped_pages == 0
+        assert client.report_audit("m", chunk, passed=False, chunk=True).dropped_pages == 2
+        assert client.blend("m", [chunk]).hits == [False]
+        assert client.stats()["audits"] == {"m": {"cpu": {"passes": 1, "failures": 1}}}
+        body = json.dumps({"model": "m", "tokens": chunk, "passed": True, "chunk": "yes"}).encode()
+        request = urllib.request.Request(f"{url}/v1/audit", body, {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400
+        assert "chunk: expected true or false" in refused.value.read().decode()
+        with pytest.raises(InvalidRequest, match="chunk"):
+            client.report_audit("m", chunk, passed=True, chunk="yes")  # type: ignore[arg-type]

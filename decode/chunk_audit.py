@@ -1,0 +1,50 @@
+"""Audited reuse of CacheBlend's chunks: check a chunk hit's stored KV against what this engine
+computes for the chunk alone.
+
+Blended KV is approximate by design (decode/blend.py), so it cannot be the reference. What the
+store holds for a chunk is its standalone KV (computed alone, kvstore/blend.py), and that can be
+checked exactly: in a scratch table, the chunk's KV as `blend` answered it for its pages before
+its last full page, then that last full page prefilled here, attending only to them, and its K
+and V compared with the stored page (kvstore/reuse_audit.py `compare_page`).
+
+At which positions: the chunk's positions in this prompt, with the KV `blend` answered (its K
+already re-rotated there). RoPE is relative, so attention over the re-rotated pages is the
+standalone computation up to float rounding, and a wrong re-rotation, or K stored without its
+rotary embedding, shows in the compared page as well as wrong bytes or weights do. Nothing is
+withheld from the blend: the chunk's KV is placed as it came, or, after a failure, the chunk is
+computed standalone here instead (the caller's choice). The cost is one page of prefill
+attending to the chunk's earlier pages, in a scratch table beside the request's.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvstore.decode.attention import AttentionContext
+from kvstore.decode.model import LlamaModel
+from kvstore.decode.paged_cache import PagedKVCache
+from kvstore.reuse_audit import AuditOutcome, compare_page
+
+
+def audit_chunk(model: LlamaModel, chunk: list[int], kv: torch.Tensor, position: int,
+                cache: PagedKVCache) -> AuditOutcome | None:
+    """Audit the chunk hit `chunk` whose KV `blend` answered as `kv` (L, 2, n, H, D), K at
+    positions position..position+n-1. None: the chunk is shorter than one page (nothing to
+    audit). `cache` needs room for the chunk's full pages beside what it already holds."""
+    page = model.spec.page_size
+    full = len(chunk) // page * page
+    if full < page:
+        return None
+    start = full - page  # the compared page: [start, full) of the chunk
+    scratch = cache.new_table()
+    cache.reserve(scratch, full)
+    try:
+        if start:
+            cache.scatter(scratch, kv[:, :, :start], start=0)
+        ids = torch.tensor(chunk[start:full], dtype=torch.long, device=model.device)  # (P,)
+        positions = torch.arange(position + start, position + full, device=model.device)  # (P,)
+        model(ids, positions, cache, AttentionContext.for_span(cache, scratch, start, full), logits="none")
+        scratch.num_tokens = full
+        computed = cache.gather(scratch, start, full)  # (L, 2, P, H, D)
+    finally:
+        cache.release(scratch)
+    return compare_page(computed, kv[:, :, start:full], model.dtype)
