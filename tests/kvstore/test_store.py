@@ -40,12 +40,18 @@ def test_seed_example_reuses_every_shared_token(make_store):
     assert got.matched_tokens == 5 and torch.equal(got.kv, kv)
 
 
-def test_reuse_ends_inside_a_page(make_store, spec):
+def store_tokens(make_store, spec: ModelSpec, n: int):
+    """A store holding `n` tokens (0, 1, ...) of random KV under model "m": (store, tokens, kv)."""
     store = make_store()
     store.register_model("m", spec)
-    tokens = list(range(8))
-    kv = random_kv(spec, 8)
+    tokens = list(range(n))
+    kv = random_kv(spec, n)
     store.store("m", tokens, kv)
+    return store, tokens, kv
+
+
+def test_reuse_ends_inside_a_page(make_store, spec):
+    store, tokens, kv = store_tokens(make_store, spec, 8)
     asked = tokens[:6] + [99, 98]  # diverges inside the second page
     got = store.fetch("m", asked)
     assert got.matched_tokens == 6
@@ -54,11 +60,7 @@ def test_reuse_ends_inside_a_page(make_store, spec):
 
 
 def test_fetch_with_start_and_lookup_agree(make_store, spec):
-    store = make_store()
-    store.register_model("m", spec)
-    tokens = list(range(13))
-    kv = random_kv(spec, 13)
-    store.store("m", tokens, kv)
+    store, tokens, kv = store_tokens(make_store, spec, 13)
     got = store.fetch("m", tokens, start=5)
     assert got.matched_tokens == 13 and torch.equal(got.kv, kv[:, :, 5:])
     assert store.fetch("m", [7, 7, 7]).matched_tokens == 0  # a miss is not an error

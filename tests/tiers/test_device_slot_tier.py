@@ -10,7 +10,7 @@ from kv_tensors import random_kv
 from off_host_tier import OffHostTier
 
 import kvstore.tier_stack
-from kvstore import KVStore, ModelSpec, StoreConfig
+from kvstore import KVStore, ModelSpec
 from kvstore.codecs import get_codec
 from kvstore.tiers.cpu import CPUTier
 from kvstore.tiers.disk import DiskTier
@@ -19,20 +19,17 @@ SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", pag
 
 
 @pytest.fixture
-def make_store(tmp_path, monkeypatch):
+def make_store(monkeypatch, make_store):
+    """tests/conftest.py's stores (closed after the test) on the stand-in, no disk tier, "m" registered."""
     monkeypatch.setattr(kvstore.tier_stack, "TIER_TYPES", (OffHostTier, CPUTier, DiskTier))
     monkeypatch.setattr(OffHostTier, "made", [])
-    stores: list[KVStore] = []
 
     def make(**fields) -> KVStore:
-        store = KVStore(StoreConfig(data_dir=str(tmp_path), disk_bytes=0, **fields))
+        store = make_store(**{"disk_bytes": 0, **fields})
         store.register_model("m", SPEC)
-        stores.append(store)
         return store
 
-    yield make
-    for store in stores:
-        store.close()
+    return make
 
 
 def test_pages_in_an_off_host_slot_tier_come_back_exact(make_store):

@@ -15,7 +15,7 @@ from off_host_tier import OffHostTier
 from redis_helpers import REDIS_SERVER, NEEDS_REDIS, RedisServer
 
 import kvstore.tier_stack
-from kvstore import KVStore, ModelSpec, StoreConfig
+from kvstore import KVStore, ModelSpec
 from kvstore.codecs import get_codec
 from kvstore.tiers.cpu import CPUTier
 from kvstore.tiers.disk import DiskTier
@@ -66,23 +66,20 @@ def top(request) -> type:
 
 
 @pytest.fixture
-def make_store(tmp_path, monkeypatch, top):
+def make_store(monkeypatch, make_store, top):
+    """tests/conftest.py's stores (closed after the test) with `top` (or `device_tier`) above the
+    CPU, disk and Redis tiers, each tier off unless given, "m" registered."""
     monkeypatch.setattr(OffHostTier, "made", [])
-    stores: list[KVStore] = []
 
     def make(*, device_tier: type | None = None, **fields) -> KVStore:
         tier = device_tier or top
         monkeypatch.setattr(kvstore.tier_stack, "TIER_TYPES", (tier, CPUTier, DiskTier, RedisTier))
-        settings = {"data_dir": str(tmp_path / "data"), "gpu_bytes": 4 * tier.slot_bytes(SPEC.page_bytes),
-                    "cpu_bytes": 0, "disk_bytes": 0, **fields}
-        store = KVStore(StoreConfig(**settings))
+        store = make_store(**{"gpu_bytes": 4 * tier.slot_bytes(SPEC.page_bytes), "cpu_bytes": 0, "disk_bytes": 0,
+                              **fields})
         store.register_model("m", SPEC)
-        stores.append(store)
         return store
 
-    yield make
-    for store in stores:
-        store.close()
+    return make
 
 
 def _check_cascade(store: KVStore, codecs: dict[str, str]) -> list[tuple[list[int], torch.Tensor]]:
