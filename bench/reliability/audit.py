@@ -19,6 +19,17 @@ again) passes and answers as its own full prefill.
 
 `run_clean`: many audited hits of real text on correct pages (in-process or through a sidecar),
 recording every deviation: the tolerance's measurement and the false-alarm count.
+
+CacheBlend chunks (decode/chunk_audit.py): `run_chunk_clean` blends stored chunks of real text
+at ever other positions with `audit_rate=1` and records every chunk audit; `run_chunk_faults`
+plants each fault in a chunk stored with store_chunk (in the page the audit recomputes, the
+chunk's last full page, or an earlier one) and blends it after a prefix. A case passes when the
+first audited blend fails the chunk's audit, the store no longer holds the chunk, that request
+answers as a blend that missed the chunk, the next request (at another position) misses it,
+computes and stores it and answers as its own miss, and a later audited hit on it passes.
+
+    python -m bench.reliability.audit --chunks --dtype float32 --hits 100 [--faults]
+    python -m bench.reliability.audit --dtype bfloat16 --hits 80 [--faults]   # prefix hits
 """
 from __future__ import annotations
 
@@ -276,3 +287,124 @@ def run_clean(dtype: str, hits: int, *, path: str = "in-process", documents: int
         assert counted == report.hits, f"the store counted {counted} audits of {report.hits}"
     report.seconds = time.perf_counter() - began
     return report
+
+
+CHUNK_FAULTS = ("slot-bytes", "weights-1.01", "k-no-rope", "k-wrong-pos", "heads-permuted", "collision")
+
+
+def _blend(model: LlamaModel, backend: Any, prefix: list[int], chunks: list[list[int]], question: list[int],
+           new_tokens: int, **kwargs: Any) -> Any:
+    return generate(model, question, new_tokens, backend=backend, prefix=prefix, chunks=chunks, stop_token_ids=(),
+                    **kwargs)
+
+
+def run_chunk_fault(model: LlamaModel, text: list[int], fault: str, where: str, rng: random.Random, *,
+                    chunk_tokens: int = 160, shift: int = 1, new_tokens: int = NEW_TOKENS) -> FaultCase:
+    """`fault` in a stored chunk of `chunk_tokens` (10 pages), blended after a 23-token prefix."""
+    began = time.perf_counter()
+    p = model.spec.page_size
+    at = rng.randrange(0, len(text) - 4 * chunk_tokens)
+    chunk = text[at:at + chunk_tokens]
+    other = text[at + 2 * chunk_tokens:at + 3 * chunk_tokens]
+    prefix, question = text[at + 3 * chunk_tokens:at + 3 * chunk_tokens + 23], text[at + chunk_tokens:][:7]
+    next_prefix = text[at + 3 * chunk_tokens + 40:at + 3 * chunk_tokens + 49]  # another position
+    audited = chunk_tokens // p - 1  # the chunk's last full page is the one recomputed
+    page = audited if where == "audited page" else audited // 2
+    reference = _blend(model, None, prefix, [chunk], question, new_tokens).tokens  # every chunk standalone
+    with new_store() as store:
+        store.register_model(model.name, model.spec)
+        plant(fault, model, store, chunk, other, page, rng, shift=shift, chunk=True)
+        first = _blend(model, store, prefix, [chunk], question, new_tokens, audit_rate=1.0, store=False)
+        left = store.blend(model.name, [chunk]).hits[0]
+        after = _blend(model, store, next_prefix, [chunk], question, new_tokens, audit_rate=1.0)
+        later = _blend(model, store, prefix, [chunk], question, new_tokens, audit_rate=1.0)
+    assert len(first.chunk_audits) == 1, "the chunk hit was not audited"
+    audit = first.chunk_audits[0]
+    failure = audit.first_failure
+    return FaultCase(fault, where, str(model.dtype).removeprefix("torch."), not audit.passed,
+                     None if failure is None else failure[0], audit.worst, audit.tolerance, chunk_tokens * left,
+                     first.tokens == reference, after.chunk_hits == [False],
+                     after.tokens == _blend(model, None, next_prefix, [chunk], question, new_tokens).tokens,
+                     later.chunk_hits == [True] and len(later.chunk_audits) == 1 and later.chunk_audits[0].passed,
+                     later.tokens == reference, time.perf_counter() - began)
+
+
+def run_chunk_faults(dtype: str, *, faults: tuple[str, ...] = CHUNK_FAULTS, where: tuple[str, ...] = WHERE,
+                     seed: int = 60, model: LlamaModel | None = None) -> list[FaultCase]:
+    model = model or real_model(dtype)
+    text = real_text(model)
+    rng = random.Random(seed)
+    return [run_chunk_fault(model, text, fault, w, rng) for fault in faults for w in where
+            if not (fault == "weights-1.01" and w != WHERE[0])]
+
+
+def run_chunk_clean(dtype: str, audits: int, *, pool: int = 12, seed: int = 61, model: LlamaModel | None = None,
+                    progress: Callable[[int], Any] | None = None) -> CleanReport:
+    """At least `audits` chunk audits of real text: `pool` chunks of 17-300 tokens stored once,
+    then requests of a 0-40-token prefix, 1-3 of them in random order and a 1-11-token question,
+    each blended with `audit_rate=1` (every chunk of a page or more is audited)."""
+    model = model or real_model(dtype)
+    text = real_text(model)
+    rng = random.Random(seed)
+    report = CleanReport("in-process, chunks", dtype, tolerance=tolerance_for(model.dtype))
+    began = time.perf_counter()
+
+    def piece(low: int, high: int) -> list[int]:
+        n = rng.randrange(low, high + 1)
+        at = rng.randrange(0, len(text) - n)
+        return text[at:at + n]
+
+    with new_store() as store:
+        store.register_model(model.name, model.spec)
+        chunks = [piece(17, 300) for _ in range(pool)]
+        for chunk in chunks:  # what a blend that missed it would store: its KV computed alone
+            store.store_chunk(model.name, chunk, full_kv(model, chunk))
+        while report.hits < audits:
+            picked = rng.sample(chunks, rng.randrange(1, 4))
+            result = _blend(model, store, piece(0, 40) if rng.random() < 0.8 else [], picked, piece(1, 11), 1,
+                            audit_rate=1.0, store=False)
+            assert result.chunk_hits == [True] * len(picked), "a stored chunk missed"
+            for outcome in result.chunk_audits:
+                report.hits += 1
+                report.failures += not outcome.passed
+                report.worst.append(outcome.worst)
+            if progress is not None:
+                progress(report.hits)
+        stats = store.stats()["audits"].get(model.name, {})
+        counted = sum(c["passes"] + c["failures"] for c in stats.values())
+        assert counted == report.hits, f"the store counted {counted} audits of {report.hits}"
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Audited reuse on the real model: clean hits, then faults.")
+    parser.add_argument("--chunks", action="store_true", help="audit CacheBlend chunk hits instead of prefix hits")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hits", type=int, default=100, help="clean audited hits (chunk audits with --chunks)")
+    parser.add_argument("--seed", type=int, default=None, help="clean run's seed (default: the functions')")
+    parser.add_argument("--faults", action="store_true", help="also plant every fault and report each case")
+    args = parser.parse_args(argv)
+    model = real_model(args.dtype)
+    seed = {} if args.seed is None else {"seed": args.seed}
+    clean = (run_chunk_clean(args.dtype, args.hits, model=model, **seed) if args.chunks
+             else run_clean(args.dtype, args.hits, model=model, **seed))
+    zero = sum(w == 0.0 for w in clean.worst)
+    print(f"clean {clean.path} {clean.dtype}: {clean.hits} audits, {clean.failures} failures, worst "
+          f"{max(clean.worst, default=0.0):.3g} = {clean.worst_in_eps:.1f} eps ({zero} bit-identical), tolerance "
+          f"{clean.tolerance:.3g}, {clean.seconds:.0f} s", flush=True)
+    if not args.faults:
+        return
+    for case in (run_chunk_faults if args.chunks else run_faults)(args.dtype, model=model):
+        verdict = f"caught, layer {case.first_layer}, {case.worst:.3g}" if case.detected else \
+            f"SLIPS ({case.worst:.3g})"
+        print(f"{case.fault} in the {case.where}: {verdict}; all checks {case.ok} (left {case.left_tokens}, "
+              f"audited answer ok {case.audited_answer_ok}, next recomputed {case.next_recomputed}, next answer ok "
+              f"{case.next_answer_ok}, later passed {case.later_passed}, later answer ok {case.later_answer_ok}); "
+              f"{case.seconds:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
