@@ -10,6 +10,7 @@ import random
 import pytest
 
 from bench.reliability.audit import real_text, run_fault
+from kvstore.decode import generate
 
 pytestmark = pytest.mark.heavy  # the real model
 
@@ -33,3 +34,19 @@ def test_a_fault_in_the_audited_page_is_caught_dropped_and_recomputed(smollm2_mo
     assert case.left_tokens == 0, case  # the store no longer matches the prompt
     assert case.audited_answer_ok and case.next_recomputed and case.next_answer_ok, case
     assert case.later_passed and case.later_answer_ok, case
+
+
+def test_a_clean_chunk_hit_passes_its_audit_on_the_real_model(smollm2_model, text):
+    """CacheBlend: a stored chunk blended after a prefix (so its K is re-rotated) is audited at
+    its new positions against the engine's own standalone computation, and passes."""
+    from bench.reliability.audit import new_store
+
+    model = smollm2_model
+    chunk, prefix, question = text[1000:1040], text[2000:2019], text[3000:3005]  # 2 full pages + 8
+    with new_store() as store:
+        first = generate(model, question, 2, backend=store, prefix=prefix, chunks=[chunk], stop_token_ids=())
+        audited = generate(model, question, 2, backend=store, prefix=prefix, chunks=[chunk], stop_token_ids=(),
+                           audit_rate=1.0)
+    assert first.chunk_hits == [False] and audited.chunk_hits == [True]
+    assert len(audited.chunk_audits) == 1 and audited.chunk_audits[0].passed, audited.chunk_audits
+    assert audited.tokens == first.tokens
