@@ -13,9 +13,9 @@ tool outputs, the user's question). Its prefill:
     question  computed in full, attending to everything before it: the first token's logits
 
 With `audit_rate`, each chunk hit of at least one page is audited with that probability
-(decode/chunk_audit.py: its last full page recomputed standalone at its positions here and
-compared with the stored page). A failed chunk is reported to the store, which drops it, and is
-treated as a miss: computed standalone here, stored fresh, blended on.
+(decode/chunk_audit.py: its KV rotated back to positions 0..n-1, its last full page recomputed
+standalone there and compared with the stored page). A failed chunk is reported to the store,
+which drops it, and is treated as a miss: computed standalone here, stored fresh, blended on.
 
 Only the prefix goes back to the store under prefix keys. Blended chunk KV is not what a full
 prefill computes (unless ratio = 1), so storing the whole prompt as a prefix would hand

@@ -377,6 +377,48 @@ def run_chunk_clean(dtype: str, audits: int, *, pool: int = 12, seed: int = 61, 
     return report
 
 
+def run_chunk_positions(dtype: str, positions: tuple[int, ...] = (1000, 3000, 7000), *, pool: int = 12,
+                        seed: int = 62, model: LlamaModel | None = None) -> dict[int, CleanReport]:
+    """Chunk audits far into a long prompt, where the re-rotation's rounding is largest: `pool`
+    chunks of 17-300 tokens stored, each blended from each of `positions` (the store's answer,
+    as the decode loop receives it) and audited there directly, without prefilling a prefix."""
+    from kvstore.decode.chunk_audit import audit_chunk
+
+    model = model or real_model(dtype)
+    text = real_text(model)
+    rng = random.Random(seed)
+    reports = {}
+    with new_store() as store:
+        store.register_model(model.name, model.spec)
+        chunks = []
+        for _ in range(pool):
+            n = rng.randrange(17, 301)
+            at = rng.randrange(0, len(text) - n)
+            chunks.append(text[at:at + n])
+            store.store_chunk(model.name, chunks[-1], full_kv(model, chunks[-1]))
+        cache = model.new_cache(max(map(len, chunks)))
+        for position in positions:
+            report = reports[position] = CleanReport(f"at position {position}", dtype,
+                                                     tolerance=tolerance_for(model.dtype))
+            began = time.perf_counter()
+            for chunk in chunks:
+                kv = torch.as_tensor(store.blend(model.name, [chunk], start_pos=position).kv)
+                outcome = audit_chunk(model, chunk, kv, position, cache)
+                assert outcome is not None
+                report.hits += 1
+                report.failures += not outcome.passed
+                report.worst.append(outcome.worst)
+            report.seconds = time.perf_counter() - began
+    return reports
+
+
+def _print_clean(clean: CleanReport) -> None:
+    zero = sum(w == 0.0 for w in clean.worst)
+    print(f"clean {clean.path} {clean.dtype}: {clean.hits} audits, {clean.failures} failures, worst "
+          f"{max(clean.worst, default=0.0):.3g} = {clean.worst_in_eps:.1f} eps ({zero} bit-identical), tolerance "
+          f"{clean.tolerance:.3g}, {clean.seconds:.0f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -386,15 +428,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hits", type=int, default=100, help="clean audited hits (chunk audits with --chunks)")
     parser.add_argument("--seed", type=int, default=None, help="clean run's seed (default: the functions')")
     parser.add_argument("--faults", action="store_true", help="also plant every fault and report each case")
+    parser.add_argument("--far", action="store_true", help="with --chunks: also audit the stored chunks blended "
+                                                           "at positions 1000, 3000 and 7000")
     args = parser.parse_args(argv)
     model = real_model(args.dtype)
     seed = {} if args.seed is None else {"seed": args.seed}
     clean = (run_chunk_clean(args.dtype, args.hits, model=model, **seed) if args.chunks
              else run_clean(args.dtype, args.hits, model=model, **seed))
-    zero = sum(w == 0.0 for w in clean.worst)
-    print(f"clean {clean.path} {clean.dtype}: {clean.hits} audits, {clean.failures} failures, worst "
-          f"{max(clean.worst, default=0.0):.3g} = {clean.worst_in_eps:.1f} eps ({zero} bit-identical), tolerance "
-          f"{clean.tolerance:.3g}, {clean.seconds:.0f} s", flush=True)
+    _print_clean(clean)
+    if args.chunks and args.far:
+        for report in run_chunk_positions(args.dtype, model=model).values():
+            _print_clean(report)
     if not args.faults:
         return
     for case in (run_chunk_faults if args.chunks else run_faults)(args.dtype, model=model):

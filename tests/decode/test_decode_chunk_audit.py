@@ -1,6 +1,6 @@
 """Audited reuse of CacheBlend's chunks (`generate(..., chunks=, audit_rate=)`): a sampled chunk hit
-recomputes its last full page standalone at its positions in the prompt and compares it with the
-stored page; a failure drops the chunk in the store and the request computes the chunk
+rotates the KV blend answered back to positions 0..n-1, recomputes its last full page standalone
+there and compares it with the stored page; a failure drops the chunk in the store and the request computes the chunk
 standalone, so it answers as a blend that missed the chunk. The real model's figures and fault
 table are bench/reliability/audit.py `run_chunk_clean` / `run_chunk_faults` (docs/reliability.md)."""
 from __future__ import annotations
