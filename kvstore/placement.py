@@ -223,10 +223,8 @@ class Placement:
             node.last_access = clock
             for tier in node.tiers:
                 policies[tier].touch(node)
-                if tenants:
-                    own = self._own_policy(node, tier)
-                    if own is not None:
-                        own.touch(node)
+                if tenants and (own := self._own_policy(node, tier)) is not None:
+                    own.touch(node)
 
     def pin(self, node: Node) -> None:
         node.pins += 1
@@ -258,10 +256,8 @@ class Placement:
                 continue
             for tier in node.tiers:
                 policies[tier].update(node)
-                if tenants:
-                    own = self._own_policy(node, tier)
-                    if own is not None:
-                        own.update(node)
+                if tenants and (own := self._own_policy(node, tier)) is not None:
+                    own.update(node)
         if lost is not None:
             nodes_by_key = self.index.nodes
             for node in lost:
