@@ -7,7 +7,6 @@ docs/performance.md, "Sidecar against Redis". `PYTHONPATH=/old/site` measures an
 """
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
@@ -22,17 +21,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 import kvstore  # noqa: E402
 from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore import ModelSpec  # noqa: E402
 from bench.engines import RedisServer  # noqa: E402
 from bench.ops import redis_configs, start_sidecar  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 
 # 32 KiB of KV per token (8 layers x 8 KV heads x 128 dims, fp16), 16-token pages of 512 KiB:
 # a 2 MiB value is 64 tokens = 4 pages, a 64 KiB value 2 tokens (one tail page).
@@ -254,10 +250,7 @@ def loopback_mb_per_s(seconds: float = 1.0, block: int = 2 << 20) -> float:
 
 def table(cells: list[Cell], loopback: float, redis_note: str | None) -> str:
     by = {(c.system, c.op, c.size, c.clients): c for c in cells}
-    lines = [f"loopback TCP, one stream: {loopback:,.0f} MB/s" + (f"   ({redis_note})" if redis_note else ""),
-             "| value | clients | op | transport | sidecar MB/s | p50 ms | p99 ms "
-             "| redis-py MB/s | p50 ms | p99 ms | redis-py config | ratio | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (system, op, size, clients), c in by.items():
         if not system.startswith("sidecar"):
             continue
@@ -266,10 +259,12 @@ def table(cells: list[Cell], loopback: float, redis_note: str | None) -> str:
         target = CELL_TARGETS.get((size, op, clients, transport), TARGETS.get((size, op)))
         ratio = c.mb_per_s / r.mb_per_s if r else None
         verdict = "" if target is None or ratio is None else (f">= {target} {'ok' if ratio >= target else 'MISS'}")
-        rcols = f"{r.mb_per_s:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.config}" if r else "- | - | - | -"
-        lines.append(f"| {size} | {clients} | {op} | {transport} | {c.mb_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} "
-                     f"| {rcols} | {'-' if ratio is None else f'{ratio:.2f}x'} | {verdict} |")
-    return "\n".join(lines)
+        redis = [f"{r.mb_per_s:,.0f}", f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", r.config] if r else ["-"] * 4
+        rows.append([size, clients, op, transport, f"{c.mb_per_s:,.0f}", f"{c.p50_ms:.2f}", f"{c.p99_ms:.2f}",
+                     *redis, "-" if ratio is None else f"{ratio:.2f}x", verdict])
+    return (f"loopback TCP, one stream: {loopback:,.0f} MB/s" + (f"   ({redis_note})" if redis_note else "") + "\n"
+            + markdown_table(["value", "clients", "op", "transport", "sidecar MB/s", "p50 ms", "p99 ms",
+                              "redis-py MB/s", "p50 ms", "p99 ms", "redis-py config", "ratio", "target"], rows))
 
 
 def latency_rows(cells: list[Cell]) -> list[dict]:
@@ -293,24 +288,20 @@ def latency_rows(cells: list[Cell]) -> list[dict]:
 
 
 def latency_table(rows: list[dict]) -> str:
-    lines = ["| value | op | transport | sidecar p50 ms | redis-py p50 ms | redis-py config | ratio | target |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        redis = "-" if r["redis_p50_ms"] is None else f"{r['redis_p50_ms']:.3f}"
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        verdict = "" if r["met"] is None else f"<= {r['target']} {'ok' if r['met'] else 'MISS'}"
-        lines.append(f"| {r['size']} | {r['op']} latency, 1 client | {r['transport']} | {r['sidecar_p50_ms']:.3f} "
-                     f"| {redis} | {r['redis_config'] or '-'} | {ratio} | {verdict} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["value", "op", "transport", "sidecar p50 ms", "redis-py p50 ms", "redis-py config", "ratio", "target"],
+        ([r["size"], f"{r['op']} latency, 1 client", r["transport"], f"{r['sidecar_p50_ms']:.3f}",
+          "-" if r["redis_p50_ms"] is None else f"{r['redis_p50_ms']:.3f}", r["redis_config"] or "-",
+          "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+          "" if r["met"] is None else f"<= {r['target']} {'ok' if r['met'] else 'MISS'}"] for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=3.0, help="per cell, split over the rounds")
     parser.add_argument("--rounds", type=int, default=3, help="alternate the systems this many times per cell")
     parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--no-redis", action="store_true")
-    parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     sizes = args.sizes.split(",")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:

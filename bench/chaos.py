@@ -7,25 +7,24 @@ Scenarios live in bench/reliability/ (tests/reliability/ runs the same code smal
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 from bench.reliability.concurrency import ConcurrencyReport, run_in_process, run_restarts, run_sidecar  # noqa: E402
 from bench.reliability.corruption import run_flips, run_page_damage, run_payloads  # noqa: E402
 from bench.reliability.crash import run_crash  # noqa: E402
 from bench.reliability.full_disk import run_full_disk  # noqa: E402
 from bench.reliability.load import run_load  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--crash-rounds", type=int, default=25)
     parser.add_argument("--load-s", type=float, default=60.0)
     parser.add_argument("--page-trials", type=int, default=500, help="reopenings after leaf/branch page damage")
@@ -39,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--audit-vllm-hits", type=int, default=100,
                         help="clean audited hits of each vLLM engine (float32 and bfloat16, in-process and sidecar)")
     parser.add_argument("--only", choices=["corruption", "concurrency", "audit"], help="run only these scenarios")
-    parser.add_argument("--json", help="write every report here")
     args = parser.parse_args(argv)
     rows: list[tuple[str, str]] = []
     reports: dict[str, object] = {}

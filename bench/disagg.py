@@ -21,12 +21,11 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 from bench.engines import EngineServer, Sidecar, serve_args, start_proxy  # noqa: E402
 from bench.prompts import documentation_sections  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 from kvstore.decode.model_pull import pull  # noqa: E402
 
 LONG_ANSWER_TOKENS = 16
@@ -129,14 +128,13 @@ def disaggregated(model: Path, work: Path, args, longs, shorts) -> dict[str, Any
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--long-tokens", type=int, default=1800)
     parser.add_argument("--long-prompts", type=int, default=4)
     parser.add_argument("--decoders", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--alone-s", type=float, default=4.0,
                         help="seconds of decoding alone, once every decoder is past its prefill")
-    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     for name in ("long_tokens", "long_prompts", "decoders", "decode_tokens"):
         if getattr(args, name) < 1:

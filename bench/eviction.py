@@ -8,7 +8,6 @@ gpu=0.01,cpu=0.04,disk=0.15` is one multi-tier split. The columns: docs/eviction
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -20,7 +19,7 @@ from tqdm import tqdm
 
 from kvstore.config import StoreConfig
 
-from bench.report import pyplot, write_json
+from bench.report import parser as bench_parser, pyplot, write_json
 from bench.research.belady import BeladyPolicy
 from bench.research.policies import BENCH_POLICIES
 from bench.research.replay import CompiledTrace, NextUse, ReplayResult, compile_trace, replay
@@ -97,13 +96,12 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("traces", nargs="+", help="Mooncake-format JSONL traces")
     parser.add_argument("--capacities", default="0.01,0.02,0.05,0.1,0.2")
     parser.add_argument("--policies", default=",".join([*BENCH_POLICIES, BELADY]),
                         help="store policies, research ones (bench/research/policies.py) and belady")
     parser.add_argument("--tiers", action="append", default=[], help="name=capacity,... (top first); repeatable")
-    parser.add_argument("--json", dest="json_path", help="write results here")
     parser.add_argument("--plot", dest="plot_path", help="write hit ratio vs capacity here (PNG)")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         print(summary_table(results, policies))
         reports.append({"trace": trace.name, "requests": trace.requests,
                         "unique_blocks": trace.unique_blocks, "results": results})
-    write_json(args.json_path, reports[0] if len(reports) == 1 else reports)
+    write_json(args.json, reports[0] if len(reports) == 1 else reports)
     if args.plot_path:
         plot(reports[0]["results"], args.plot_path, f"{reports[0]['trace']}: hit ratio vs capacity")
 

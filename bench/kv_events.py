@@ -8,7 +8,6 @@ docs/kv_events.md, "Measured".
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import random
 import sys
@@ -18,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 import torch  # noqa: E402
 
@@ -29,7 +26,7 @@ from kvstore.keys import page_key, tokens_bytes  # noqa: E402
 from kvstore.kv_events.log import KVEventLog  # noqa: E402
 from tests.kv_event_view import KVEventView  # noqa: E402
 from kvstore.kv_events.wire import TIER_MEDIA, block_hash  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", page_size=4)
 MODELS = (("m", None), ("m", "acme"), ("other", None))  # (name, tenant): three namespaces
@@ -381,7 +378,7 @@ def event_costs(spec: ModelSpec, n: int = 20_000) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--ops", type=int, default=100_000)
     parser.add_argument("--checkpoint-every", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
@@ -389,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-rounds", type=int, default=5)
     parser.add_argument("--cost-calls", type=int, default=2000)
     parser.add_argument("--batch-interval-s", type=float, default=0.1, help="the publisher's, in the cost run")
-    parser.add_argument("--json")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,6 @@ docs/kv_events.md says what it shows.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -17,19 +16,16 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the pulled smollm2)")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=200)
-    parser.add_argument("--json")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import msgspec

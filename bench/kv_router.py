@@ -8,7 +8,6 @@ docs/kv_events.md.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import random
 import sys
@@ -17,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
+from bench.report import parser as bench_parser  # noqa: E402
 from kvstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent  # noqa: E402
 
 # Weight of a block by the medium that holds it (medium, locality); unknown media count as storage.
@@ -175,7 +173,7 @@ def demo(sidecars: int, documents: int, requests: int, seed: int) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, with_json=False)
     parser.add_argument("--sidecars", type=int, default=3)
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--requests", type=int, default=30)

@@ -9,7 +9,6 @@ docs/performance.md, "Per-operation cost". `PYTHONPATH=/old/site` or `--before-s
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -19,10 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
-# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -31,7 +27,7 @@ from tqdm import tqdm  # noqa: E402
 import kvstore  # noqa: E402
 from bench import engines  # noqa: E402
 from bench.engines import RedisServer, Sidecar, run_on_site  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
 # 1 layer x 8 KV heads x 128 dims x fp16 x 16 tokens x (K, V) = a 64 KiB page.
@@ -115,13 +111,6 @@ class Values:
     def dict_put(self, source: np.ndarray) -> Callable[[int], None]:
         keys, table, count = self.keys, self.table, self.count
         return lambda i: np.copyto(table[keys[i % count]], source)
-
-
-def kv_for(spec: ModelSpec, nbytes: int, seed: int) -> torch.Tensor:
-    tokens = nbytes // spec.bytes_per_token
-    assert tokens * spec.bytes_per_token == nbytes
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(spec.kv_shape(tokens), generator=gen).to(torch.float16)  # (L, 2, T, H, D)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -443,17 +432,13 @@ def summarize(case: Case, samples: dict[str, list[float]]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| path | op | bytes | p50 µs | p90 µs | memcpy µs | speed vs memcpy | dict µs | cost vs dict "
-             "| redis-py µs | cost vs redis-py | target | met |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        redis = "–" if r["redis_us"] is None else f"{r['redis_us']:,.1f} ({r['redis_config']})"
-        vs_redis = "–" if r["cost_vs_redis"] is None else f"{r['cost_vs_redis']:.2f}×"
-        target, met = target_cells(r)
-        lines.append(f"| {r['path']} | {r['op']} | {size_name(r['bytes'])} | {r['p50_us']:,.1f} | {r['p90_us']:,.1f} "
-                     f"| {r['memcpy_us']:,.1f} ({r['memcpy_kind']}) | {r['speed_vs_memcpy']:.2f} "
-                     f"| {r['dict_us']:,.1f} | {r['cost_vs_dict']:.1f}× | {redis} | {vs_redis} | {target} | {met} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["path", "op", "bytes", "p50 µs", "p90 µs", "memcpy µs", "speed vs memcpy", "dict µs", "cost vs dict",
+         "redis-py µs", "cost vs redis-py", "target", "met"],
+        ([r["path"], r["op"], size_name(r["bytes"]), f"{r['p50_us']:,.1f}", f"{r['p90_us']:,.1f}",
+          f"{r['memcpy_us']:,.1f} ({r['memcpy_kind']})", f"{r['speed_vs_memcpy']:.2f}", f"{r['dict_us']:,.1f}",
+          f"{r['cost_vs_dict']:.1f}×", "–" if r["redis_us"] is None else f"{r['redis_us']:,.1f} ({r['redis_config']})",
+          "–" if r["cost_vs_redis"] is None else f"{r['cost_vs_redis']:.2f}×", *target_cells(r)] for r in rows))
 
 
 def target_cells(row: dict[str, Any]) -> tuple[str, str]:
@@ -479,7 +464,7 @@ def settle_collector() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="a short run: 3 rounds of 0.1 s per case")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 3)")
     parser.add_argument("--seconds", type=float, default=None,
@@ -490,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-redis", action="store_true", help="no redis-py column on the sidecar rows")
     parser.add_argument("--before-site", metavar="DIR",
                         help="first run the same cases with PYTHONPATH=DIR (older code), then print both")
-    parser.add_argument("--json", metavar="FILE", help="write the results here")
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
     seconds = args.seconds if args.seconds is not None else (0.1 if args.quick else 0.4)
@@ -582,15 +566,11 @@ def compare_table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
         vals = [old.get(name, {}).get(key), next(r for r in after if r["name"] == name).get(key)]
         return " / ".join("–" if v is None else format(v, fmt) for v in vals)
 
-    lines = ["| path | op | bytes | p50 µs | speed vs memcpy | cost vs dict | cost vs redis-py | target | after |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in after:
-        n = r["name"]
-        target, met = target_cells(r)
-        lines.append(f"| {r['path']} | {r['op']} | {size_name(r['bytes'])} | {pair(n, 'p50_us', ',.1f')} "
-                     f"| {pair(n, 'speed_vs_memcpy', '.2f')} | {pair(n, 'cost_vs_dict', '.1f')} "
-                     f"| {pair(n, 'cost_vs_redis', '.2f')} | {target} | {met} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["path", "op", "bytes", "p50 µs", "speed vs memcpy", "cost vs dict", "cost vs redis-py", "target", "after"],
+        ([r["path"], r["op"], size_name(r["bytes"]), pair(r["name"], "p50_us", ",.1f"),
+          pair(r["name"], "speed_vs_memcpy", ".2f"), pair(r["name"], "cost_vs_dict", ".1f"),
+          pair(r["name"], "cost_vs_redis", ".2f"), *target_cells(r)] for r in after))
 
 
 if __name__ == "__main__":

@@ -7,16 +7,15 @@ The rows and figures: docs/performance.md, "The vLLM connector's copy into vLLM'
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
+from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 import torch  # noqa: E402
 
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 from bench.timing import best_of  # noqa: E402
 from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout,  # noqa: E402
                                                StridedBlockLayout, join_runs, probe_block_order)
@@ -48,11 +47,10 @@ def writer_per_offset(write: Callable[..., None], layer: torch.Tensor, slots_by_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--isa", default="vec", help="the CPU attention kernels' ISA (vec, vec16, amx)")
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     try:
         from vllm import _custom_ops as ops

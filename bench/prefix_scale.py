@@ -7,21 +7,18 @@ all begin with BOS, per store size, and the ratio to the smallest size (flat: no
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
+from pathlib import Path
 import tempfile
 
-# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.append(REPO)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 from bench.timing import per_call_us  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
@@ -54,11 +51,10 @@ def measure(size: int, calls: int, repeat: int, rng: random.Random) -> dict[str,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--sizes", default="1000,10000,50000", help="prompts stored before timing")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(0)

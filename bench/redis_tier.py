@@ -7,14 +7,12 @@ docs/redis.md, "Measurements".
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
+from pathlib import Path
 import tempfile
 from typing import Callable
 
-# After PYTHONPATH: an older copy of kvstore there is what gets measured.
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -22,7 +20,7 @@ from tqdm import tqdm  # noqa: E402
 import kvstore.tier_stack  # noqa: E402
 from bench import timing  # noqa: E402
 from bench.engines import RedisServer  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 import kvstore.tiers.redis  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.keys import namespace_key, prefix_keys  # noqa: E402
@@ -100,11 +98,10 @@ def bench_spec(url: str, spec: ModelSpec, pages: int, repeat: int, bar: tqdm) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--pages", type=int, default=32, help="pages per multi-page fetch")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--redis-url", help="an existing Redis (default: start a redis-server here)")
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as tmp:

@@ -5,20 +5,19 @@ bytes in the same run, disk store with zstd on and off, and lookup cost per page
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+from pathlib import Path
 import tempfile
 import time
 
-# Appended, not inserted: an older kvstore on PYTHONPATH (before/after runs) must win.
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 from bench.timing import best_of, interleaved  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
@@ -116,10 +115,9 @@ def bench_lookup(lengths: list[int], repeat: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--pages", type=int, default=32, help="2 MiB pages per store/fetch call")
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--json", help="write the results here")
     parser.add_argument("--data-dir", default=None, help="where the disk tier's files go (default: a temp dir)")
     args = parser.parse_args()
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="kvstore-bench-")

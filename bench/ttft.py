@@ -7,7 +7,6 @@ Targets and figures: docs/performance.md, "Time to first token".
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -20,11 +19,10 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.append(str(REPO))  # after PYTHONPATH: an older kvstore there wins
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 from bench.engines import Sidecar  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 from kvstore.decode import LlamaArch, LlamaModel, generate, load_model, tiny_model  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
@@ -155,7 +153,7 @@ def break_even(model: LlamaModel, backends: dict[str, Any], prompts: Prompts, re
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), a checkpoint directory, or random (a 4-layer random Llama)")
     parser.add_argument("--lengths", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
@@ -166,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sidecar", action="store_true", help="in-process tiers only")
     parser.add_argument("--no-break-even", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.threads:

@@ -7,7 +7,6 @@ The rows and figures: docs/vllm.md, "Eight requests at once".
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -16,11 +15,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 from bench.engines import REAL_MODEL, Sidecar, checkpoint, kv_bytes_per_token, make_engine, model_facts, \
     parse_or_serve_engine, run_engine, serve_args  # noqa: E402
 from bench.prompts import Prompts  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +68,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, with_json=False)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--suffix-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=8)

@@ -8,7 +8,6 @@ The steps, checks and figures: docs/vllm.md, "On the real model at TP=3".
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import tempfile
@@ -19,14 +18,13 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 from bench.reliability.rank_fault_connector import FAULT_SALT  # noqa: E402
 from bench.engines import REAL_MODEL, EngineServer, Sidecar, make_engine, parse_or_serve_engine, run_engine, \
     serve_args, start_proxy  # noqa: E402
 from bench.prompts import Prompts  # noqa: E402
-from bench.report import check, print_checks, write_json  # noqa: E402
+from bench.report import check, parser as bench_parser, print_checks, write_json  # noqa: E402
 from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
 
 UNSERVED_SALT = "unserved-" + "x" * MAX_SALT_BYTES  # too long for the store: vLLM alone computes it
@@ -166,7 +164,7 @@ def slice_fetches(url: str, spec: Any, tokens: int, tp: int, repeats: int = 7) -
 # -- the run -----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, with_json=False)
     parser.add_argument("--tp", type=int, default=3, help="the tensor-parallel degree next to TP=1")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the prompts timed and reused")
     parser.add_argument("--check-tokens", type=int, default=512,

@@ -5,7 +5,6 @@ depth check alone, in the same run (µs per body).
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import sys
@@ -15,8 +14,9 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # after PYTHONPATH: an older kvstore there wins
 
+from bench.report import parser as bench_parser  # noqa: E402
 from kvstore.api.framing import unpack_map  # noqa: E402
 from kvstore.api.nesting import json_too_deep  # noqa: E402
 from kvstore.api.server.wire import MAX_BODY_DEPTH, decode_json, decode_msgpack  # noqa: E402
@@ -48,7 +48,7 @@ def bodies() -> dict[str, tuple[str, bytearray]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    bench_parser(__doc__, with_json=False).parse_args(argv)
     print("| body | decode (us) | of which the depth check (us) | share |\n|---|---|---|---|")
     for name, (kind, body) in bodies().items():
         raw = bytearray(body.encode() if isinstance(body, str) else body)

@@ -8,7 +8,6 @@ docs/performance.md, "Where the time goes".
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import os
 import pstats
@@ -20,10 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
-# Appended, never inserted: an older kvstore on PYTHONPATH must win over the repository's.
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # after PYTHONPATH: an older kvstore there wins
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -34,7 +30,7 @@ from kvstore import KVStore, StoreConfig  # noqa: E402
 from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes, settle_collector,  # noqa: E402
                        size_name, start_sidecar)
 from bench.engines import run_on_site  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 
 SIZES = ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 16))  # (spec, value bytes, prestored values)
 TIER_BYTES = 64 * MIB
@@ -433,14 +429,13 @@ def tables(runs: list[tuple[str, dict[str, Any]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer calls per case")
     parser.add_argument("--paths", default="in-process,sidecar", help="in-process and/or sidecar")
     parser.add_argument("--before-site", metavar="DIR",
                         help="also run the cases with PYTHONPATH=DIR (older code) and print both")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="passed to this checkout's `kvstore serve` (repeatable): --serve-arg=--event-loop=asyncio")
-    parser.add_argument("--json", metavar="FILE", help="write the results here")
     args = parser.parse_args(argv)
     paths = set(args.paths.split(","))
     if not paths <= {"in-process", "sidecar"}:

@@ -20,16 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # after PYTHONPATH: an older kvstore there wins
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bench.ops import GC_YOUNG_THRESHOLD, KIB, SPEC_64K, Case, TokenSource, Values, run_round  # noqa: E402
-from bench.report import write_json  # noqa: E402
+from bench.report import parser as bench_parser, write_json  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
 
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -201,10 +199,9 @@ def floor_steps(floor: FloorStore, prompt: list[int], kv: torch.Tensor) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.4, help="per case and round")
-    parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--step-scale", type=float, default=1.0, help=argparse.SUPPRESS)  # tests: fewer step calls
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

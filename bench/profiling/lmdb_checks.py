@@ -8,7 +8,6 @@ Figures: docs/reliability.md, "The disk tier's start check, and the per-read alt
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import struct
@@ -21,8 +20,9 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # after PYTHONPATH: an older kvstore there wins
 
+from bench.report import parser as bench_parser  # noqa: E402
 from kvstore.tiers.disk_open import check_in_child, verify_structure, walk  # noqa: E402
 
 PAGE_BYTES = 4096
@@ -124,7 +124,7 @@ def read_costs(work: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__, with_json=False)
     parser.add_argument("--gib", type=float, default=1.0, help="size of the 64 KiB and 2 MiB environments")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
