@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
-from bench.engines import EngineServer, Sidecar, serve_args, start_proxy  # noqa: E402
+from bench import engines  # noqa: E402
+from bench.engines import EngineServer, Sidecar, serve_args  # noqa: E402
 from bench.prompts import documentation_sections  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
 from kvstore.decode.model_pull import pull  # noqa: E402
@@ -110,21 +111,9 @@ def one_engine(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
 
 
 def disaggregated(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
-    sidecar = Sidecar(work / "sidecar", serve_args("2GiB")).start()
-    store_url = sidecar.url
-    length = args.long_tokens + 512
-    prefill = EngineServer(model, "kv_producer", store_url, work / "prefill.log", max_model_len=length).start()
-    decode = EngineServer(model, "kv_consumer", store_url, work / "decode.log", max_model_len=length).start()
-    proxy, proxy_url = start_proxy(prefill.url, decode.url)
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        return asyncio.run(run_mix(proxy_url, str(model), args, longs, shorts))
-    finally:
-        proxy.kill()
-        sidecar.kill()
-        prefill.kill()
-        decode.kill()
+    with Sidecar(work / "sidecar", serve_args("2GiB")) as sidecar, \
+            engines.disaggregated(model, sidecar.url, work, args.long_tokens + 512) as url:
+        return asyncio.run(run_mix(url, str(model), args, longs, shorts))
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ fails), and vLLM's `LLM` in a process of its own per job (vLLM keeps global stat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -18,7 +19,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 32  # vLLM's CPU attention backend takes block sizes that are multiples of 32
@@ -147,12 +148,6 @@ def _readline(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return box[0] if box else ""
 
 
-def start_proxy(prefill_url: str, decode_url: str) -> tuple[subprocess.Popen, str]:
-    """`kvstore proxy` in front of a prefill and a decode engine: (process, its url)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill_url, "--decode",
-                             decode_url, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 # -- redis-server --------------------------------------------------------------------------------
@@ -251,6 +246,28 @@ class EngineServer:
                 pass
             self.proc.wait(60)
             self.proc = None
+
+
+@contextlib.contextmanager
+def disaggregated(model: Path, store_url: str, work: Path, max_model_len: int, producer_tp: int = 1,
+                  consumer_tp: int = 1, ready_timeout_s: float = 600) -> Iterator[str]:
+    """A kv_producer and a kv_consumer engine on `store_url` behind `kvstore proxy`, ready: the
+    proxy's url; all three killed on exit."""
+    prefill = EngineServer(model, "kv_producer", store_url, work / f"prefill-tp{producer_tp}.log",
+                           max_model_len=max_model_len, tp=producer_tp).start()
+    decode = EngineServer(model, "kv_consumer", store_url, work / f"decode-tp{consumer_tp}.log",
+                          max_model_len=max_model_len, tp=consumer_tp).start()
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill.url, "--decode",
+                              decode.url, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        prefill.wait_ready(ready_timeout_s)
+        decode.wait_ready(ready_timeout_s)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proxy.kill()
+        prefill.kill()
+        decode.kill()
 
 
 def _terminate_with_parent() -> None:

@@ -8,7 +8,6 @@ docs/kv_events.md, "Measured".
 """
 from __future__ import annotations
 
-import gc
 import random
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from kvstore.kv_events.log import KVEventLog  # noqa: E402
 from tests.kv_event_view import KVEventView  # noqa: E402
 from kvstore.kv_events.wire import TIER_MEDIA, block_hash  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.timing import settle_collector  # noqa: E402
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", page_size=4)
 MODELS = (("m", None), ("m", "acme"), ("other", None))  # (name, tenant): three namespaces
@@ -296,11 +296,7 @@ def run_cost(rounds: int, calls: int, data_dir: str, batch_interval_s: float = 0
     hot = [[7, n] + list(range(100, 100 + spec.page_size - 2)) for n in range(64)]
     for tokens in hot:
         store.store("m", tokens, kv)
-    # The collector as `kvstore serve` sets it (and the README advises an embedder): start-up
-    # objects frozen, young collections rarer.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, *gc.get_threshold()[1:])
+    settle_collector()
     times: dict[str, list[float]] = {k: [] for k in ("store off", "store on", "fetch off", "fetch on")}
     # CPU time of the whole process over the blocks (the publisher's thread included): what events
     # cost in work, apart from what the machine's other processes do to the wall clock.

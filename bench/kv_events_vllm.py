@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
+from bench.engines import BLOCK, checkpoint, make_engine  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
 
 
@@ -30,26 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import msgspec
     import zmq
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm import SamplingParams
+    from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from vllm.inputs import TokensPrompt
 
-    model = args.model or str(Path.home() / ".cache/kvstore/models/smollm2")
-    block = 32  # the CPU attention backend takes multiples of 32
+    model = args.model or str(checkpoint(False, Path()))
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/kv-events"
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        store = {"data_dir": f"{tmp}/store", "cpu_bytes": "256MiB", "disk_bytes": 0, "page_size": block}
-        transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
-                                    kv_connector_module_path="kvstore.integrations.vllm",
-                                    kv_connector_extra_config=store)
+        store = {"data_dir": f"{tmp}/store", "cpu_bytes": "256MiB", "disk_bytes": 0, "page_size": BLOCK}
         events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
         t0 = time.perf_counter()
-        llm = LLM(model, kv_transfer_config=transfer, kv_events_config=events_config, block_size=block,
-                  enforce_eager=True, max_model_len=2048, dtype="float32", enable_prefix_caching=True,
-                  skip_tokenizer_init=True, kv_cache_memory_bytes=256 << 20)
+        llm = make_engine({"model": model, "max_model_len": 2048, "kv_cache_bytes": 256 << 20, "extra": store},
+                          kv_events_config=events_config, dtype="float32", enable_prefix_caching=True)
         started_s = time.perf_counter() - t0
         sub.connect(endpoint)
         time.sleep(0.2)  # ZeroMQ's slow joiner

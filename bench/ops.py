@@ -9,7 +9,6 @@ docs/performance.md, "Per-operation cost". `PYTHONPATH=/old/site` or `--before-s
 """
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from tqdm import tqdm  # noqa: E402
 import kvstore  # noqa: E402
 from bench import engines  # noqa: E402
 from bench.engines import RedisServer, Sidecar, run_on_site  # noqa: E402
+from bench.timing import settle_collector  # noqa: E402
 from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
@@ -35,7 +35,6 @@ SPEC_64K = ModelSpec(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16"
 # 8 layers x 8 KV heads x 128 dims x fp16 x 16 tokens x (K, V) = a 512 KiB page: 2 MiB is 4 pages.
 SPEC_512K = ModelSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
 KIB, MIB = 1 << 10, 1 << 20
-GC_YOUNG_THRESHOLD = 50_000  # what `kvstore serve` sets, and the README advises an embedder to
 
 
 @dataclass
@@ -454,13 +453,6 @@ def close_all(closers: list[Any], servers: list[Sidecar | RedisServer]) -> None:
         c.close()
     for server in servers:
         server.stop()
-
-
-def settle_collector() -> None:
-    gc.collect()
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,22 @@
 comparison is made of runs taken in turns, so that a burst of other load falls on both sides."""
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Any, Callable, Sequence
+
+
+GC_YOUNG_THRESHOLD = 50_000  # what `kvstore serve` sets, and the README advises an embedder to
+
+
+def settle_collector() -> None:
+    """The collector as `kvstore serve` sets it: the objects made so far frozen, young
+    collections rarer (a timed loop allocates; a collection in it is a long outlier)."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -21,10 +21,11 @@ from tqdm import tqdm
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 from bench.reliability.rank_fault_connector import FAULT_SALT  # noqa: E402
-from bench.engines import REAL_MODEL, EngineServer, Sidecar, make_engine, parse_or_serve_engine, run_engine, \
-    serve_args, start_proxy  # noqa: E402
+from bench import engines  # noqa: E402
+from bench.engines import REAL_MODEL, Sidecar, make_engine, parse_or_serve_engine, run_engine, serve_args  # noqa: E402
 from bench.prompts import Prompts  # noqa: E402
 from bench.report import check, parser as bench_parser, print_checks, write_json  # noqa: E402
+from bench.timing import best_of, timed  # noqa: E402
 from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
 
 UNSERVED_SALT = "unserved-" + "x" * MAX_SALT_BYTES  # too long for the store: vLLM alone computes it
@@ -87,19 +88,8 @@ async def complete(url: str, model: str, tokens: list[int]) -> list[int]:
 def disaggregated(model: Path, work: Path, store_url: str, producer_tp: int, consumer_tp: int,
                   tokens: list[int], max_model_len: int) -> list[int]:
     """The answer of a kv_producer at `producer_tp` and a kv_consumer at `consumer_tp` behind `kvstore proxy`."""
-    prefill = EngineServer(model, "kv_producer", store_url, work / f"prefill-tp{producer_tp}.log",
-                           max_model_len=max_model_len, tp=producer_tp).start()
-    decode = EngineServer(model, "kv_consumer", store_url, work / f"decode-tp{consumer_tp}.log",
-                          max_model_len=max_model_len, tp=consumer_tp).start()
-    proxy, proxy_url = start_proxy(prefill.url, decode.url)
-    try:
-        prefill.wait_ready(1800)
-        decode.wait_ready(1800)
-        return asyncio.run(complete(proxy_url, str(model), tokens))
-    finally:
-        proxy.kill()
-        prefill.kill()
-        decode.kill()
+    with engines.disaggregated(model, store_url, work, max_model_len, producer_tp, consumer_tp, 1800) as url:
+        return asyncio.run(complete(url, str(model), tokens))
 
 
 # -- head slices -------------------------------------------------------------------------------
@@ -110,41 +100,31 @@ def slice_fetches(url: str, spec: Any, tokens: int, tp: int, repeats: int = 7) -
     staging copy is the cost parts add)."""
     import torch
 
-    from kvstore import KVStoreClient
+    from kvstore import KVStore, KVStoreClient, StoreConfig
 
     per_rank = spec.num_kv_heads // tp
     prompt = list(range(7, 7 + tokens))
     kv = torch.randn(spec.kv_shape(tokens), dtype=torch.float32)
     parts = [kv[:, :, :, r * per_rank:(r + 1) * per_rank].contiguous() for r in range(tp)]
     out: dict[str, float] = {}
-    from kvstore import KVStore, StoreConfig
-
     with KVStore(StoreConfig(data_dir=None, cpu_bytes=2 * kv.numel() * kv.element_size(), disk_bytes=0)) as store:
         # In-process, into a reused buffer: the copies alone, without a sidecar's per-request work.
         store.register_model("slices", spec)
         store.store("slices", prompt, kv)
         into = torch.empty(kv.numel() * kv.element_size(), dtype=torch.uint8)
         for name, heads in (("whole", None), ("slice", (0, per_rank))):
-            times = []
-            for _ in range(3 * repeats):
-                started = time.perf_counter()
-                store.fetch("slices", prompt, heads=heads, into=into)
-                times.append(time.perf_counter() - started)
-            out[f"inproc_{name}_s"] = min(times)
+            out[f"inproc_{name}_s"] = best_of(lambda: store.fetch("slices", prompt, heads=heads, into=into),
+                                              3 * repeats)
     for transport, shm in (("shm", None), ("tcp", 0)):
         with KVStoreClient(url, shared_memory_bytes=shm, timeout_s=120) as client:
             client.register_model("slices", spec)
             stores: dict[str, list[float]] = {"whole": [], "parts": []}
             for i in range(repeats):
                 fresh = [1000 + i + (transport == "tcp") * 500] + prompt[1:]  # a prompt no store holds
-                started = time.perf_counter()
-                client.store("slices", fresh, kv)
-                stores["whole"].append(time.perf_counter() - started)
+                stores["whole"].append(timed(lambda: client.store("slices", fresh, kv)))
                 fresh[0] += 100
-                started = time.perf_counter()
-                for r, part in enumerate(parts):
-                    client.store("slices", fresh, part, heads=(r * per_rank, (r + 1) * per_rank))
-                stores["parts"].append(time.perf_counter() - started)
+                stores["parts"].append(timed(lambda: [client.store("slices", fresh, part, heads=(r * per_rank,
+                                       (r + 1) * per_rank)) for r, part in enumerate(parts)]))
                 assert client.lookup("slices", fresh).matched_tokens == tokens
             out[f"{transport}_store_whole_s"], out[f"{transport}_store_parts_s"] = (min(stores["whole"]),
                                                                                     min(stores["parts"]))

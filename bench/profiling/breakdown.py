@@ -27,10 +27,11 @@ from tqdm import tqdm  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
-from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes, settle_collector,  # noqa: E402
+from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes,  # noqa: E402
                        size_name, start_sidecar)
 from bench.engines import run_on_site  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.timing import settle_collector  # noqa: E402
 
 SIZES = ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 16))  # (spec, value bytes, prestored values)
 TIER_BYTES = 64 * MIB

@@ -9,7 +9,6 @@ docs/performance.md, "The floor".
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import struct
 import sys
@@ -26,8 +25,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.ops import GC_YOUNG_THRESHOLD, KIB, SPEC_64K, Case, TokenSource, Values, run_round  # noqa: E402
+from bench.ops import KIB, SPEC_64K, Case, TokenSource, Values, run_round  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.timing import settle_collector  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
 
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -206,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cases, steps = floor_cases(TokenSource())
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD)
+    settle_collector()
     samples: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
     counters: dict[str, dict[str, int]] = {c.name: {} for c in cases}
     for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
