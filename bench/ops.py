@@ -62,6 +62,7 @@ class Case:
     note: str = ""
     block: int = 8  # calls per subject per block
     check: Callable[[], str] | None = None  # after the run: what the case really did (e.g. disk pages per fetch)
+    prepare: Callable[[int], Any] | None = None  # before a block of n calls of the op, untimed: its arguments
 
     @property
     def name(self) -> str:
@@ -92,7 +93,7 @@ class Values:
         self.dst[:] = 1  # faulted in
         self.keys = [f"value:{nbytes}:{i}".encode() for i in range(count)]
         self.table = dict(zip(self.keys, self.src))
-        self.count = count
+        self.count, self.nbytes = count, nbytes
 
     def memcpy(self, i: int) -> None:
         np.copyto(self.dst, self.src[i % self.count])
@@ -130,6 +131,17 @@ class TokenSource:
     def take(self, n: int) -> list[int]:
         first, self.next = self.next, self.next + n
         return list(range(first, first + n))
+
+
+def store_case(path: str, model: str, kv: torch.Tensor, store: Callable[..., Any], values: Values,
+               tokens: TokenSource, **fields: Any) -> Case:
+    """Stores of `kv` (`store(model, tokens, kv)`: a store's or a client's method), each under
+    new tokens, made before each block: a store's cost, not building its token list. The dict
+    baseline copies from a copy of `kv`'s bytes, as a store copies from the caller's KV."""
+    pending: list[list[int]] = []
+    return Case(path, "store", values.nbytes, lambda i: store(model, pending.pop(), kv), values.memcpy,
+                values.dict_put(flat_bytes(kv).copy()),
+                prepare=lambda n: pending.extend(tokens.take(kv.shape[2]) for _ in range(n)), **fields)
 
 
 def fill(store_fn: Callable[[list[int]], Any], tier_bytes: Callable[[], int], capacity: int, nbytes: int,
@@ -197,22 +209,11 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
                               targets=[Target("memcpy", "speed", 0.7 if nbytes == 2 * MIB else 0.9)],
                               note="into= a preallocated flat uint8 tensor", block=block))
         if nbytes <= 2 * MIB:
-            kv, store_store = kvs[0], store_stores[spec]
-            source = flat_bytes(kv).copy()  # not the dict's own buffer: a store copies from the caller's KV
-            fill(lambda p, m=m, kv=kv, s=store_store: s.store(m, p, kv),
-                 lambda s=store_store: s.stats()["tiers"]["cpu"]["bytes"], 64 * MIB, nbytes, tokens, n_tokens)
-            # Prompts made outside the timed call: a store's cost, not building its token list.
-            pending: list[list[int]] = []
-
-            def store(i: int, m=m, kv=kv, pending=pending, s=store_store) -> Any:
-                return s.store(m, pending.pop(), kv)
-
-            def prepare(n: int, pending=pending, n_tokens=n_tokens) -> None:
-                pending.extend(tokens.take(n_tokens) for _ in range(n))
-
-            cases.append(Case("in-process", "store", nbytes, store, values.memcpy, values.dict_put(source),
-                              targets=[Target("dict", "cost", 4.0)] if nbytes == 64 * KIB else [], block=block))
-            cases[-1].prepare = prepare  # type: ignore[attr-defined]
+            s = store_stores[spec]
+            fill(lambda p, m=m, kv=kvs[0], s=s: s.store(m, p, kv), lambda s=s: s.stats()["tiers"]["cpu"]["bytes"],
+                 64 * MIB, nbytes, tokens, n_tokens)
+            cases.append(store_case("in-process", m, kvs[0], s.store, values, tokens, block=block,
+                                    targets=[Target("dict", "cost", 4.0)] if nbytes == 64 * KIB else []))
     return cases, [fetch_store, *store_stores.values()]
 
 
@@ -311,14 +312,6 @@ def sidecar_cases(fetch_url: str, store_urls: dict[int, str], tokens: TokenSourc
             def fetch(i: int, c=fetch_client, model=model, prompts=prompts, count=count) -> Any:
                 return c.fetch(model, prompts[i % count])
 
-            pending: list[list[int]] = []
-
-            def store(i: int, c=store_client, model=model, kv=kvs[0], pending=pending) -> Any:
-                return c.store(model, pending.pop(), kv)
-
-            def prepare(n: int, pending=pending, n_tokens=n_tokens) -> None:
-                pending.extend(tokens.take(n_tokens) for _ in range(n))
-
             path = f"sidecar {transport}"
             fetch_targets = []
             if redis_get and nbytes == 64 * KIB:
@@ -327,9 +320,7 @@ def sidecar_cases(fetch_url: str, store_urls: dict[int, str], tokens: TokenSourc
                 fetch_targets = [Target("redis", "speed", 2.0)]
             cases.append(Case(path, "fetch", nbytes, fetch, values.memcpy, values.dict_get, values.fresh,
                               redis=redis_get, targets=fetch_targets))
-            cases.append(Case(path, "store", nbytes, store, values.memcpy, values.dict_put(flat_bytes(kvs[0]).copy()),
-                              redis=redis_set))
-            cases[-1].prepare = prepare  # type: ignore[attr-defined]
+            cases.append(store_case(path, model, kvs[0], store_client.store, values, tokens, redis=redis_set))
     return cases, clients
 
 
@@ -377,7 +368,7 @@ def run_round(case: Case, seconds: float, samples: dict[str, list[float]], count
     """Blocks of `case.block` calls of each subject in turn (the order rotates per block) until
     `seconds` have passed (at least two blocks)."""
     subjects = list(case.subjects().items())
-    prepare = getattr(case, "prepare", None)
+    prepare = case.prepare
     began = time.perf_counter()
     blocks = 0
     clock = time.perf_counter_ns

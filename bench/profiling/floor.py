@@ -168,7 +168,7 @@ def floor_cases(tokens: TokenSource) -> tuple[list[FloorCase], list[tuple[str, A
                       values.dict_get, values.fresh, floor=lambda i: floor.fetch(prompts[i % count]))
     put = FloorCase("in-process", "store", nbytes, lambda i: store_store.store("m", pending.pop(), kv), values.memcpy,
                     values.dict_put(source), floor=lambda i: floor_put.store(floor_pending.pop(), kv))
-    put.prepare = prepare  # type: ignore[attr-defined]
+    put.prepare = prepare
     steps = floor_steps(floor, prompts[0], kv)
     return [fetch, put], steps
 
