@@ -169,40 +169,31 @@ def sidecar_cells(url: str, size: str, nbytes: int, clients: int, seconds: float
 # ---- redis (the server: bench/engines.py RedisServer) -------------------------------------------
 
 def redis_cells(port: int, size: str, nbytes: int, clients: int, seconds: float) -> list[Cell]:
-    """SET/GET cells for each redis-py configuration (system `redis-<config>`)."""
-    cells: list[Cell] = []
-    for config in redis_configs(port):
-        cells += redis_config_cells(port, config, size, nbytes, clients, seconds)
-    return cells
-
-
-def redis_client(port: int, config: str):
-    return redis_configs(port)[config]  # a new client (connection pool) per call
-
-
-def redis_config_cells(port: int, config: str, size: str, nbytes: int, clients: int, seconds: float) -> list[Cell]:
+    """SET/GET cells for each redis-py configuration (system `redis-<config>`), each client with
+    a connection pool of its own (`redis_configs` makes new ones at every call)."""
     value = torch.randn(nbytes // 2).half().numpy().tobytes()
-    admin = redis_client(port, config)
-    for i in range(PRESTORED):
-        admin.set(f"get:{size}:{i}", value)
-    for c in range(clients):  # the same warm-up as the sidecar's: memory allocated and touched
-        for i in range(REDIS_KEYS):
-            admin.set(f"set:{size}:{c}:{i}", value)
+    cells: list[Cell] = []
+    for config, admin in redis_configs(port).items():
+        for i in range(PRESTORED):
+            admin.set(f"get:{size}:{i}", value)
+        for c in range(clients):  # the same warm-up as the sidecar's: memory allocated and touched
+            for i in range(REDIS_KEYS):
+                admin.set(f"set:{size}:{c}:{i}", value)
 
-    def set_op(c: int) -> Callable[[int], None]:
-        r = redis_client(port, config)
-        return lambda i: r.set(f"set:{size}:{c}:{i % REDIS_KEYS}", value)
+        def set_op(c: int, config: str = config) -> Callable[[int], None]:
+            r = redis_configs(port)[config]
+            return lambda i: r.set(f"set:{size}:{c}:{i % REDIS_KEYS}", value)
 
-    def get_op(c: int) -> Callable[[int], None]:
-        r = redis_client(port, config)
+        def get_op(c: int, config: str = config) -> Callable[[int], None]:
+            r = redis_configs(port)[config]
 
-        def op(i: int) -> None:
-            assert len(r.get(f"get:{size}:{(i + c) % PRESTORED}")) == nbytes
-        return op
+            def op(i: int) -> None:
+                assert len(r.get(f"get:{size}:{(i + c) % PRESTORED}")) == nbytes
+            return op
 
-    system = f"redis-{config}"
-    return [summarize(system, "store", size, clients, nbytes, run_clients(clients, seconds, nbytes, set_op)),
-            summarize(system, "fetch", size, clients, nbytes, run_clients(clients, seconds, nbytes, get_op))]
+        cells += [summarize(f"redis-{config}", op, size, clients, nbytes, run_clients(clients, seconds, nbytes, make))
+                  for op, make in (("store", set_op), ("fetch", get_op))]
+    return cells
 
 
 def faster_redis(cells: list[Cell]) -> list[Cell]:

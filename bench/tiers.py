@@ -41,12 +41,6 @@ class CopyBaseline:
         self.clone = [lambda: self.src.clone(), lambda: src_np.copy()]
 
 
-def ratio_to(baselines, subject, repeat: int) -> tuple[float, float, float]:
-    """(subject seconds, baseline seconds, baseline/subject), medians over interleaved runs."""
-    r = interleaved(subject, baselines, repeat)
-    return r["subject_s"], r["baseline_s"], r["ratio"]
-
-
 def bench_cpu(pages: int, repeat: int, base: CopyBaseline) -> dict:
     spec = SPEC_2MIB
     n = pages * spec.page_size
@@ -63,10 +57,10 @@ def bench_cpu(pages: int, repeat: int, base: CopyBaseline) -> dict:
 
         for _ in range(3):
             store_once()  # fault every slot in, as in a long-running store
-        store_s, copy_s, store_ratio = ratio_to(base.copy, store_once, repeat)
+        store_s, copy_s, store_ratio = interleaved(store_once, base.copy, repeat).values()
         tokens = list(range(next(counter) * n, 0, -1))[:n]
         store.store("m", tokens, kv)
-        fetch_s, clone_s, fetch_ratio = ratio_to(base.clone, lambda: store.fetch("m", tokens), repeat)
+        fetch_s, clone_s, fetch_ratio = interleaved(lambda: store.fetch("m", tokens), base.clone, repeat).values()
         assert torch.equal(store.fetch("m", tokens).kv, kv)
     return {"store_s": store_s, "copy_s": copy_s, "store_ratio": store_ratio,
             "fetch_s": fetch_s, "clone_s": clone_s, "fetch_ratio": fetch_ratio}
@@ -93,7 +87,7 @@ def bench_disk(pages: int, repeat: int, data_dir: str, compression: str, base: C
     with KVStore(config) as store:
         tokens = list(range(0, n))
         store.fetch("m", tokens)  # pages now in the OS page cache
-        fetch_s, clone_s, fetch_ratio = ratio_to(base.clone, lambda: store.fetch("m", tokens), repeat)
+        fetch_s, clone_s, fetch_ratio = interleaved(lambda: store.fetch("m", tokens), base.clone, repeat).values()
         assert torch.equal(store.fetch("m", tokens).kv, kv)
     return {"store_s": store_s, "fetch_s": fetch_s, "clone_s": clone_s, "fetch_ratio": fetch_ratio,
             "file_bytes": file_bytes}

@@ -38,7 +38,7 @@ def interleaved(subject: Callable[[], Any], baselines: Sequence[Callable[[], Any
                 on_round: Callable[[], Any] | None = None) -> dict[str, float]:
     """The subject and its baselines in turns, `repeats` rounds (the fastest baseline counts in
     each): the median seconds of each, and the median of the rounds' baseline / subject (> 1: the
-    subject is faster)."""
+    subject is faster), in that order."""
     pairs = []
     for _ in range(repeats):
         pairs.append((timed(subject), min(timed(b) for b in baselines)))
