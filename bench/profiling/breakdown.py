@@ -174,12 +174,15 @@ def categorize(stats: dict) -> dict[str, float]:
 
 # ---- running a case ------------------------------------------------------------------------
 
-def p50_us(fn: Callable[[int], Any], calls: int, offset: int) -> float:
+def p50_us(fn: Callable[[int], Any], calls: int, warm: int) -> float:
+    """The median µs of `calls` calls, after `warm` untimed ones."""
+    for j in range(warm):
+        fn(j)
     times = np.empty(calls)
     clock = time.perf_counter_ns
     for j in range(calls):
         t0 = clock()
-        fn(offset + j)
+        fn(warm + j)
         times[j] = clock() - t0
     return float(np.median(times)) / 1e3
 
@@ -215,8 +218,6 @@ def after_answer_s(stats: dict) -> float:
 
 
 def in_process_case(fn: Callable[[int], Any], calls: int, warm: int) -> dict[str, Any]:
-    for j in range(warm):
-        fn(j)
     p50 = p50_us(fn, calls, warm)
     stats, wall = profiled(fn, calls, warm + calls)
     seconds = categorize(stats)
@@ -229,8 +230,6 @@ def in_process_case(fn: Callable[[int], Any], calls: int, warm: int) -> dict[str
 
 def sidecar_case(fn: Callable[[int], Any], calls: int, warm: int, proc: subprocess.Popen,
                  prefix: str, counter: list[int]) -> dict[str, Any]:
-    for j in range(warm):
-        fn(j)
     p50 = p50_us(fn, calls, warm)
     proc.send_signal(signal.SIGUSR1)
     time.sleep(0.1)  # the sidecar's handler runs at its next bytecode
@@ -350,29 +349,23 @@ def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers,
          tokens, n_tokens)
     prompts: list[list[int]] = []
     label = size_name(nbytes)
-    jobs = []
-    clients = {}
+    stores, fetches = [], []  # every store case first: they evict, and the fetches must all hit
     for transport in ("shm", "tcp"):
-        clients[transport] = KVStoreClient(url, shared_memory_bytes=None if transport == "shm" else 0)
-        closers.append(clients[transport])
-    for transport in ("shm", "tcp"):
-        client = clients[transport]
+        client = KVStoreClient(url, shared_memory_bytes=None if transport == "shm" else 0)
+        closers.append(client)
         stored = [tokens.take(n_tokens) for _ in range(4 * calls + 64)]
 
         def store_job(client=client, stored=stored) -> dict:
             return sidecar_case(lambda i: client.store("m", stored[i], kv), calls, 32, proc, prefix, counter)
-
-        jobs.append((f"sidecar {transport} store {label}", store_job))
-    for transport in ("shm", "tcp"):
-        client = clients[transport]
 
         def fetch_job(client=client) -> dict:
             return fetch_case(lambda p: admin.store("m", p, kv), lambda p: client.fetch("m", p), prompts, tokens,
                               n_tokens, count, kv, "sidecar",
                               lambda fn: sidecar_case(fn, calls, 32, proc, prefix, counter))
 
-        jobs.append((f"sidecar {transport} fetch {label}", fetch_job))
-    return jobs
+        stores.append((f"sidecar {transport} store {label}", store_job))
+        fetches.append((f"sidecar {transport} fetch {label}", fetch_job))
+    return stores + fetches
 
 
 # ---- report --------------------------------------------------------------------------------
