@@ -190,22 +190,16 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
         if not same_bytes(into.view(torch.float16).view(spec.kv_shape(n_tokens)), kvs[0]) or \
                 got.kv.data_ptr() != into.data_ptr():
             raise SystemExit(f"in-process fetch into= of {size_name(nbytes)} did not land in the caller's buffer")
-
-        def fetch(i: int, m=m, prompts=prompts, count=count) -> Any:
-            return fetch_store.fetch(m, prompts[i % count])
-
-        def fetch_into(i: int, m=m, prompts=prompts, count=count, into=into) -> Any:
-            return fetch_store.fetch(m, prompts[i % count], into=into)
-
-        def into_copy(i: int, dst=into_np, v=values) -> None:
-            np.copyto(dst, v.src[i % v.count])
-
         block = 8 if nbytes <= 2 * MIB else 2
         if nbytes <= 2 * MIB:
-            cases.append(Case("in-process", "fetch", nbytes, fetch, values.memcpy, values.dict_get, values.fresh,
-                              targets=[Target("dict", "cost", 3.0)] if nbytes == 64 * KIB else [], block=block))
+            cases.append(Case("in-process", "fetch", nbytes, lambda i, m=m, p=prompts, n=count: fetch_store.fetch(
+                m, p[i % n]), values.memcpy, values.dict_get, values.fresh, block=block,
+                targets=[Target("dict", "cost", 3.0)] if nbytes == 64 * KIB else []))
         if nbytes >= 2 * MIB:
-            cases.append(Case("in-process", "fetch into", nbytes, fetch_into, into_copy, values.dict_get_into(into_np),
+            cases.append(Case("in-process", "fetch into", nbytes, lambda i, m=m, p=prompts, n=count, into=into:
+                              fetch_store.fetch(m, p[i % n], into=into),
+                              lambda i, dst=into_np, v=values: np.copyto(dst, v.src[i % v.count]),
+                              values.dict_get_into(into_np),
                               targets=[Target("memcpy", "speed", 0.7 if nbytes == 2 * MIB else 0.9)],
                               note="into= a preallocated flat uint8 tensor", block=block))
         if nbytes <= 2 * MIB:
@@ -308,18 +302,14 @@ def sidecar_cases(fetch_url: str, store_urls: dict[int, str], tokens: TokenSourc
             if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[0]):
                 raise SystemExit(f"sidecar {transport} fetch of {size_name(nbytes)} did not return the stored KV")
             del got
-
-            def fetch(i: int, c=fetch_client, model=model, prompts=prompts, count=count) -> Any:
-                return c.fetch(model, prompts[i % count])
-
             path = f"sidecar {transport}"
             fetch_targets = []
             if redis_get and nbytes == 64 * KIB:
                 fetch_targets = [Target("redis", "cost", 2.0)]
             elif redis_get and transport == "shm":
                 fetch_targets = [Target("redis", "speed", 2.0)]
-            cases.append(Case(path, "fetch", nbytes, fetch, values.memcpy, values.dict_get, values.fresh,
-                              redis=redis_get, targets=fetch_targets))
+            cases.append(Case(path, "fetch", nbytes, lambda i, c=fetch_client, m=model, p=prompts, n=count: c.fetch(
+                m, p[i % n]), values.memcpy, values.dict_get, values.fresh, redis=redis_get, targets=fetch_targets))
             cases.append(store_case(path, model, kvs[0], store_client.store, values, tokens, redis=redis_set))
     return cases, clients
 
