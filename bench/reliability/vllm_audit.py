@@ -111,7 +111,8 @@ def _counts(backend: Any, model: str) -> tuple[int, int]:
 
 
 def run_vllm_audit(dtype: str, path: str, clean_hits: int, *, faults: tuple[str, ...] = VLLM_FAULTS,
-                   documents: int = 6, document_tokens: int = 480, seed: int = 42) -> VllmAuditReport:
+                   documents: int = 6, document_tokens: int = 480, seed: int = 42,
+                   audit_tokens: int | None = None) -> VllmAuditReport:
     began = time.perf_counter()
     report = VllmAuditReport(dtype, path)
     model = real_model(dtype)
@@ -138,6 +139,8 @@ def run_vllm_audit(dtype: str, path: str, clean_hits: int, *, faults: tuple[str,
             store_config = ConnectorConfig.from_extra_config(extra).store
             backend = target = shared_store(store_config)  # the very store the engine opens
             stack.callback(release_store, store_config)
+        if audit_tokens is not None:  # else the connector's default
+            extra["audit_tokens"] = audit_tokens
         llm = stack.enter_context(_engine(dtype, extra))
         backend.register_model(name, model.spec)
         from kvstore.decode import generate
@@ -188,13 +191,14 @@ def _fault_case(llm: Any, model: Any, backend: Any, target: Any, text: list[int]
     empty()
     expected_next = _ask(llm, follow_up)
     empty()
-    audited = len(prompt) // BLOCK - 1  # the withheld block: the last whole one of the match
+    # The page holding the withheld tokens: the last page of the match's last whole block.
+    audited = len(prompt) // model.spec.page_size - 1
     with ExitStack() as stack:
         if fault == "scatter-heads-permuted":
             backend.store(model.name, prompt, full_kv(model, prompt))
             stack.enter_context(_scatter_heads_permuted())
         else:
-            plant(fault, model, target, prompt, other, audited * BLOCK // model.spec.page_size, rng)
+            plant(fault, model, target, prompt, other, audited, rng)
         failures = _counts(backend, model.name)[1]
         answer = _ask(llm, request)
         detected = _counts(backend, model.name)[1] == failures + 1

@@ -5,8 +5,10 @@
      "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}                                      a sidecar
     {"data_dir": "./kvstore-data", "cpu_bytes": "8GiB", "disk_bytes": "64GiB", ...}            in-process
 
-plus, in both, `model` (the store's model name), `timeout_s`, `page_size` and `audit_rate` (the
-probability that a hit is audited, 0 to 1, default 0: kvstore/integrations/vllm_audit.py). The
+plus, in both, `model` (the store's model name), `timeout_s`, `page_size`, `audit_rate` (the
+probability that a hit is audited, 0 to 1, default 0: kvstore/integrations/vllm_audit.py) and
+`audit_tokens` (how many tokens of an audited hit's last block vLLM computes and compares, 1 to
+block_size, default 8). The
 in-process keys are `StoreConfig`'s fields, with the names and units of `kvstore serve` (sizes
 like "1GiB").
 An unknown key, or a sidecar key mixed with store keys, is an error that names it.
@@ -31,7 +33,8 @@ from kvstore.reuse_audit import DEFAULT_AUDIT_RATE, check_audit_rate
 from kvstore.sizes import parse_bytes
 
 SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes", "kv_events_endpoint", "kv_events_replay_endpoint")
-COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s", "load_async", "audit_rate")
+COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s", "load_async", "audit_rate", "audit_tokens")
+DEFAULT_AUDIT_TOKENS = 8  # of an audited hit's last block, computed by vLLM and compared (vllm_audit.py)
 STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreConfig))
 DEFAULT_PAGE_SIZE = 16  # the decode loop's (decode/loader.py): the same pages serve both
 
@@ -55,6 +58,9 @@ class ConnectorConfig:
     # The probability that a hit is audited: its last full block computed by vLLM and compared
     # with the stored one (vllm_audit.py); 0: off.
     audit_rate: float = DEFAULT_AUDIT_RATE
+    # How many of the audited block's last tokens vLLM computes and compares: up to vLLM's
+    # block_size (the whole block); fewer cost less prefill (vllm_audit.py says what each sees).
+    audit_tokens: int = DEFAULT_AUDIT_TOKENS
     # The sidecar's KV events (its --kv-events-endpoint / --kv-events-replay-endpoint), which
     # take_events() turns into the engine's own when vLLM publishes KV events.
     kv_events_endpoint: str | None = None
@@ -78,6 +84,9 @@ class ConnectorConfig:
                 self.shared_memory_bytes, int) or self.shared_memory_bytes < 0):
             raise ValueError(f"shared_memory_bytes: expected a byte count >= 0, got {self.shared_memory_bytes!r}")
         check_audit_rate(self.audit_rate)
+        if isinstance(self.audit_tokens, bool) or not isinstance(self.audit_tokens, int) \
+                or not 1 <= self.audit_tokens <= 4096:
+            raise ValueError(f"audit_tokens: must be an integer in [1, vLLM's block_size], got {self.audit_tokens!r}")
         if not isinstance(self.load_async, bool):
             raise ValueError(f"load_async: expected true or false, got {self.load_async!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):

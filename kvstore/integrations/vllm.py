@@ -84,8 +84,12 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a store miss is recomputed)")
                 transfer.kv_load_failure_policy = "recompute"
             self.events = self._scheduler_events(vllm_config)
+            if self.config.audit_tokens > self.block_size:
+                raise ValueError(f"kv_connector_extra_config.audit_tokens: must be in [1, {self.block_size}] "
+                                 f"(vLLM's block_size), got {self.config.audit_tokens}")
             self.scheduler = SchedulerSide(self.link, self.block_size, self.events, role=transfer.kv_role or "kv_both",
-                                           load_async=self.config.load_async, audit_rate=self.config.audit_rate)
+                                           load_async=self.config.load_async, audit_rate=self.config.audit_rate,
+                                           audit_tokens=self.config.audit_tokens)
         else:
             self.rank = rank = _rank_heads(vllm_config, spec)
             if self.config.url is not None:

@@ -44,7 +44,7 @@ from kvstore.integrations.vllm_audit import AuditSpec, SchedulerAudits
 class LoadSpec:
     req_id: str
     salt: str | None
-    tokens: list[int]  # the prompt's first `end` tokens: the store's key for the pages
+    tokens: list[int]  # the prompt up to the end of the last block loaded: the store's key for the pages
     start: int  # first token to load (a block boundary: where vLLM's own prefix hit ends)
     block_ids: list[int]  # vLLM blocks receiving tokens [start, end)
     load_async: bool = False  # loaded outside the step's forward; reported by the worker when done
@@ -82,7 +82,7 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 class SchedulerSide:
     def __init__(self, link: StoreLink, block_size: int, events: Any = None, role: str = "kv_both",
-                 load_async: bool = False, audit_rate: float = 0.0):
+                 load_async: bool = False, audit_rate: float = 0.0, audit_tokens: int = 0):
         if role not in ROLES:
             raise ValueError(f"kv_role: must be one of {', '.join(ROLES)}, got {role!r}")
         self.link, self.block_size, self.role, self.load_async = link, block_size, role, load_async
@@ -92,7 +92,8 @@ class SchedulerSide:
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (local tokens, store hit end), last answer
         self.stats = {"lookups": 0, "lookup_s": 0.0}  # for bench/vllm_ttft.py's breakdown of a request
         self._loads: dict[str, LoadSpec] = {}  # allocated, to be loaded in the next step
-        self.audits = SchedulerAudits(audit_rate, block_size)  # sampled hits withhold a block (vllm_audit.py)
+        # Sampled hits withhold their last block's last tokens (vllm_audit.py); 0: the whole block.
+        self.audits = SchedulerAudits(audit_rate, block_size, withheld_tokens=audit_tokens)
 
     @staticmethod
     def usable(request: Any) -> bool:
@@ -136,8 +137,11 @@ class SchedulerSide:
         start = hit[0]
         end = start + num_external_tokens
         B = self.block_size
-        spec = LoadSpec(request.request_id, tracked.salt, tracked.prompt[:end], start,
-                        list(block_ids[start // B:end // B]), self.load_async)
+        # Whole blocks: an audited hit ends inside its last block, whose earlier tokens are loaded
+        # and whose withheld ones vLLM then computes over the loaded copy.
+        whole_end = -(-end // B) * B
+        spec = LoadSpec(request.request_id, tracked.salt, tracked.prompt[:whole_end], start,
+                        list(block_ids[start // B:whole_end // B]), self.load_async)
         self._loads[request.request_id] = spec
         tracked.loading = frozenset(spec.block_ids)
         self.audits.allocated(request.request_id, tracked.salt, tracked.prompt, list(block_ids), start, end)

@@ -92,3 +92,42 @@ def test_audit_rate_in_the_connector_config():
     assert ConnectorConfig.from_extra_config({"url": "http://127.0.0.1:1", "audit_rate": 0.01}).audit_rate == 0.01
     with pytest.raises(ValueError, match=r"kv_connector_extra_config.audit_rate: must be a number in \[0, 1\]"):
         ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB", "audit_rate": 2})
+
+
+def test_an_audit_of_a_few_tokens_withholds_only_them_and_compares_only_them():
+    W = 8
+    audits = SchedulerAudits(1.0, B, withheld_tokens=W)
+    assert audits.withhold("r", 0, 4 * B, load_async=False) == 4 * B - W  # vLLM computes the last W
+    prompt = list(range(200))
+    audits.allocated("r", None, prompt, block_ids=[7, 8, 9, 10, 11, 12, 13], load_start=0, load_end=4 * B - W)
+    assert audits.take(step("r", 4 * B - W, W - 1)) == []  # a step that stops short of the block's end
+    audits.withhold("r", 0, 4 * B, load_async=False)
+    audits.allocated("r", None, prompt, block_ids=[7, 8, 9, 10, 11, 12, 13], load_start=0, load_end=4 * B - W)
+    [spec] = audits.take(step("r", 4 * B - W, 200 - (4 * B - W)))
+    # The block's earlier tokens are loaded (a load error on a failure), its last W computed.
+    assert (spec.start, spec.first, spec.block_id, spec.loaded_block_ids, spec.tokens) == \
+        (3 * B, 4 * B - W, 10, [7, 8, 9, 10], prompt[:4 * B])
+
+    L, H, D = 3, 2, 8
+    caches = [torch.randn(12, 2, B, H, D, generator=torch.Generator().manual_seed(i)) for i in range(L)]
+    right = torch.stack([c[10] for c in caches])  # (L, 2, B, H, D)
+    for wrong_tokens, passes in ((slice(0, B - W), True), (slice(B - 1, B), False)):
+        stored = right.clone()
+        stored[1, 0, wrong_tokens] += 1.0  # layer 1's K off in these tokens
+        worker, link = WorkerAudits(L, torch.float32), Link(stored)
+        worker.start(link, [spec], torch.device("cpu"))
+        for i, cache in enumerate(caches):
+            worker.on_layer(Layout(), cache, i)
+        failed, _ = worker.finish(link)
+        # Loaded tokens are vLLM's copy of the store's (not what it computed): only the withheld
+        # ones are compared, so a difference in the loaded ones is not this comparison's to see.
+        assert link.reports == [(passes, "cpu", None if passes else 1)]
+        assert failed == (set() if passes else {7, 8, 9, 10})
+
+
+def test_audit_tokens_in_the_connector_config():
+    assert ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB"}).audit_tokens == 8
+    assert ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB", "audit_tokens": 32}).audit_tokens == 32
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match=r"kv_connector_extra_config.audit_tokens: must be an integer in \[1"):
+            ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB", "audit_tokens": bad})
