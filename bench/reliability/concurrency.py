@@ -21,7 +21,7 @@ import torch
 from tests.concurrency_history import (DROP, ERROR, FETCH, FULL, LOOKUP, LOST, NOT_FOUND, STORE, History, OpLog,
                                        check_counters, check_history)
 from bench.reliability.pages import SPEC, expected_kv
-from bench.engines import Sidecar
+from bench.engines import Sidecar, serve_args
 from kvstore import KVStore, StoreConfig
 from kvstore.api.client import KVStoreClient
 from kvstore.errors import BackendUnavailable, InsufficientStorage, ModelNotFound
@@ -208,11 +208,6 @@ def run_in_process(data_dir: Path, *, ops: int, capacity: str, threads: int = 8,
                    read_your_writes=capacity == "nothing evicted")
 
 
-def _serve_args(capacity: str) -> list[str]:
-    cpu_bytes, disk_bytes = CAPACITIES[capacity]
-    return ["--cpu-bytes", str(cpu_bytes), "--disk-bytes", str(disk_bytes)]
-
-
 def _clients(url: str, clients: int) -> list[KVStoreClient]:
     """Half over shared memory, half over TCP."""
     return [KVStoreClient(url, timeout_s=30, shared_memory_bytes=None if i % 2 == 0 else 0) for i in range(clients)]
@@ -223,7 +218,7 @@ def run_sidecar(data_dir: Path, *, ops: int, capacity: str, clients: int = 8, se
     """`clients` clients, each on its own thread, against one `kvstore serve`."""
     began = time.perf_counter()
     universe = Universe(seed=seed)
-    sidecar = Sidecar(data_dir, _serve_args(capacity)).start()
+    sidecar = Sidecar(data_dir, serve_args(*CAPACITIES[capacity])).start()
     try:
         with KVStoreClient(sidecar.url, timeout_s=30) as admin:
             for name in universe.models:
@@ -251,7 +246,7 @@ def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed
     began = time.perf_counter()
     universe = Universe(seed=seed)
     rng = random.Random(seed)
-    sidecar = Sidecar(data_dir, [*_serve_args("nothing evicted"), "--durability", "write-through"]).start()
+    sidecar = Sidecar(data_dir, [*serve_args(*CAPACITIES["nothing evicted"]), "--durability", "write-through"]).start()
     done = threading.Event()
     up = threading.Event()
     calls = _Progress()
