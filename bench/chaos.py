@@ -7,6 +7,7 @@ Scenarios live in bench/reliability/ (tests/reliability/ runs the same code smal
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import tempfile
@@ -45,75 +46,78 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if args.only == "audit":
             _audit(args.audit_hits, args.audit_vllm_hits, rows, reports)
-            _print(rows, reports, args.json)
-            return 0
         if args.only in (None, "concurrency"):
             _concurrency(work, args.concurrency_ops, rows, reports)
-        if args.only == "concurrency":
-            _print(rows, reports, args.json)
-            return 0
-        crash_modes = () if args.only else (("write-through", args.crash_rounds),
-                                            ("write-back", max(5, args.crash_rounds // 2)))
-        for mode, rounds in crash_modes:
-            began = time.perf_counter()
-            r = run_crash(work / f"crash-{mode}", rounds=rounds, durability=mode, seed=7)
-            reports[f"crash_{mode}"] = r
-            rows.append((f"SIGKILL under store load, {mode}",
-                         f"{r.rounds} kills, {r.acked_stores} acked stores, {r.checked_sequences} fetches checked: "
-                         f"{r.lost_acked} acked lost{' (allowed: write-back)' if mode == 'write-back' else ''}, "
-                         f"{r.wrong_kv} wrong KV, {r.over_served} over-served, "
-                         f"{r.repairs} LMDB repairs; restart {max(r.restart_s):.1f} s max "
-                         f"({time.perf_counter() - began:.0f} s)"))
-        began = time.perf_counter()
-        r = run_page_damage(work, trials=args.page_trials, seed=16)
-        reports["page_damage"] = r
-        rows.append(("1-4 bytes of LMDB leaf/branch pages overwritten while stopped, each reopen in a child",
-                     f"{r.trials} trials, {r.damaged} bytes in {r.pages_damaged} pages: {r.killed} processes killed, "
-                     f"{len(r.failed)} errors raised, {r.wrong_kv} wrong KV in {r.fetches} fetches, "
-                     f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, "
-                     f"{r.quarantined} environments moved aside, "
-                     f"{r.corrupt_counted} corrupt records counted; "
-                     f"{r.stored_after} new stores after, {r.stored_after_wrong} wrong "
-                     f"({time.perf_counter() - began:.0f} s)"))
-        r = run_flips(work, trials=30, flips=(1, 8, 64, 512))
-        reports["flips"] = r
-        rows.append(("random bytes of data.mdb overwritten while stopped, each reopen in a child",
-                     f"{r.trials} trials, {r.damaged} bytes: {r.killed} processes killed, "
-                     f"{len(r.failed)} errors raised, "
-                     f"{r.wrong_kv} wrong KV in {r.fetches} fetches, "
-                     f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, "
-                     f"{r.quarantined} environments moved aside, "
-                     f"{r.corrupt_counted} corrupt records counted"))
-        r = run_payloads(work, records=20)
-        reports["payloads"] = r
-        rows.append(("record payloads/headers rewritten through LMDB",
-                     f"{r.damaged} records: {r.wrong_kv} wrong KV, {r.corrupt_counted} counted on /metrics, "
-                     f"{r.corrupt_left} left in LMDB"))
-        if args.only:
-            _print(rows, reports, args.json)
-            return 0
-        for mode in ("write-back", "write-through"):
-            r = run_full_disk(work, durability=mode)
-            reports[f"full_disk_{mode}"] = r
-            rows.append((f"full disk ({r.filesystem}, then filled by another file), {mode}",
-                         f"{r.stores} stores: {r.ok} x 200, {r.insufficient_storage} x 507, "
-                         f"{len(r.other_errors)} other; "
-                         f"{r.disk_evictions} disk evictions, {r.wrong_kv} wrong KV, alive {r.alive}, "
-                         f"newest pages served from CPU {r.newest_from_cpu}"))
-        r = run_load(work, clients=32, duration_s=args.load_s)
-        reports["load"] = r
-        rows.append((f"load: 32 clients, {r.duration_s:.0f} s, 64 KiB-2 MiB pages",
-                     f"{r.requests} requests, {r.requests_per_s:.0f} req/s, p50 {r.percentile_ms(0.5):.0f} ms, "
-                     f"p99 {r.percentile_ms(0.99):.0f} ms; {r.server_errors} 5xx, {r.wrong_bytes} wrong bytes; "
-                     f"RSS anon peak {r.peak_rss_anon_bytes >> 20} MiB "
-                     f"(idle {r.baseline_rss_bytes >> 20} MiB, CPU tier 512 MiB)"))
-        rows.append(("slow clients (a byte a second) and connection limit",
-                     f"{r.slow_cut_off}/{r.slow_clients} cut off with 408 "
-                     f"(slowest {r.slow_cut_s:.1f} s, body timeout 2 s); "
-                     f"{r.connections_refused} of {r.connections_tried} connections refused 503 "
-                     "at --max-connections 64"))
+        if args.only in (None, "corruption"):
+            _corruption(work, args, rows, reports)
+        if args.only is None:
+            _full_disk_and_load(work, args.load_s, rows, reports)
     _print(rows, reports, args.json)
     return 0
+
+
+def _corruption(work: Path, args: argparse.Namespace, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
+    """SIGKILLs under load (the full run only), then damage to LMDB while the store is stopped."""
+    crash_modes = () if args.only else (("write-through", args.crash_rounds),
+                                        ("write-back", max(5, args.crash_rounds // 2)))
+    for mode, rounds in crash_modes:
+        began = time.perf_counter()
+        r = run_crash(work / f"crash-{mode}", rounds=rounds, durability=mode, seed=7)
+        reports[f"crash_{mode}"] = r
+        rows.append((f"SIGKILL under store load, {mode}",
+                     f"{r.rounds} kills, {r.acked_stores} acked stores, {r.checked_sequences} fetches checked: "
+                     f"{r.lost_acked} acked lost{' (allowed: write-back)' if mode == 'write-back' else ''}, "
+                     f"{r.wrong_kv} wrong KV, {r.over_served} over-served, "
+                     f"{r.repairs} LMDB repairs; restart {max(r.restart_s):.1f} s max "
+                     f"({time.perf_counter() - began:.0f} s)"))
+    began = time.perf_counter()
+    r = run_page_damage(work, trials=args.page_trials, seed=16)
+    reports["page_damage"] = r
+    rows.append(("1-4 bytes of LMDB leaf/branch pages overwritten while stopped, each reopen in a child",
+                 f"{r.trials} trials, {r.damaged} bytes in {r.pages_damaged} pages: {r.killed} processes killed, "
+                 f"{len(r.failed)} errors raised, {r.wrong_kv} wrong KV in {r.fetches} fetches, "
+                 f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, "
+                 f"{r.quarantined} environments moved aside, "
+                 f"{r.corrupt_counted} corrupt records counted; "
+                 f"{r.stored_after} new stores after, {r.stored_after_wrong} wrong "
+                 f"({time.perf_counter() - began:.0f} s)"))
+    r = run_flips(work, trials=30, flips=(1, 8, 64, 512))
+    reports["flips"] = r
+    rows.append(("random bytes of data.mdb overwritten while stopped, each reopen in a child",
+                 f"{r.trials} trials, {r.damaged} bytes: {r.killed} processes killed, "
+                 f"{len(r.failed)} errors raised, "
+                 f"{r.wrong_kv} wrong KV in {r.fetches} fetches, "
+                 f"{r.served_tokens / r.stored_tokens:.0%} of tokens still served, "
+                 f"{r.quarantined} environments moved aside, "
+                 f"{r.corrupt_counted} corrupt records counted"))
+    r = run_payloads(work, records=20)
+    reports["payloads"] = r
+    rows.append(("record payloads/headers rewritten through LMDB",
+                 f"{r.damaged} records: {r.wrong_kv} wrong KV, {r.corrupt_counted} counted on /metrics, "
+                 f"{r.corrupt_left} left in LMDB"))
+
+
+def _full_disk_and_load(work: Path, load_s: float, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
+    for mode in ("write-back", "write-through"):
+        r = run_full_disk(work, durability=mode)
+        reports[f"full_disk_{mode}"] = r
+        rows.append((f"full disk ({r.filesystem}, then filled by another file), {mode}",
+                     f"{r.stores} stores: {r.ok} x 200, {r.insufficient_storage} x 507, "
+                     f"{len(r.other_errors)} other; "
+                     f"{r.disk_evictions} disk evictions, {r.wrong_kv} wrong KV, alive {r.alive}, "
+                     f"newest pages served from CPU {r.newest_from_cpu}"))
+    r = run_load(work, clients=32, duration_s=load_s)
+    reports["load"] = r
+    rows.append((f"load: 32 clients, {r.duration_s:.0f} s, 64 KiB-2 MiB pages",
+                 f"{r.requests} requests, {r.requests_per_s:.0f} req/s, p50 {r.percentile_ms(0.5):.0f} ms, "
+                 f"p99 {r.percentile_ms(0.99):.0f} ms; {r.server_errors} 5xx, {r.wrong_bytes} wrong bytes; "
+                 f"RSS anon peak {r.peak_rss_anon_bytes >> 20} MiB "
+                 f"(idle {r.baseline_rss_bytes >> 20} MiB, CPU tier 512 MiB)"))
+    rows.append(("slow clients (a byte a second) and connection limit",
+                 f"{r.slow_cut_off}/{r.slow_clients} cut off with 408 "
+                 f"(slowest {r.slow_cut_s:.1f} s, body timeout 2 s); "
+                 f"{r.connections_refused} of {r.connections_tried} connections refused 503 "
+                 "at --max-connections 64"))
 
 
 def _concurrency(work: Path, ops: int, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
