@@ -26,7 +26,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 from bench import engines  # noqa: E402
 from bench.engines import EngineServer, Sidecar, serve_args  # noqa: E402
 from bench.prompts import documentation_sections  # noqa: E402
-from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 from kvstore.decode.model_pull import pull  # noqa: E402
 
 LONG_ANSWER_TOKENS = 16
@@ -137,15 +137,14 @@ def main() -> int:
         for name, run in (("one engine", one_engine), ("disagg", disaggregated)):
             results[name] = run(model, Path(tmp), args, longs, shorts)
             bar.update()
-    print(f"{'deployment':<12} {'TPOT alone':>11} {'TPOT under prefill':>19} {'long TTFT (median)':>19} "
-          f"{'long total (median)':>20}")
+
     def ms(value: float | None) -> str:
         return f"{value:.1f} ms" if value is not None else "-"
 
-    for name in ("one engine", "disagg"):
-        r = results[name]
-        print(f"{name:<12} {ms(r['tpot_alone_ms']):>11} {ms(r['tpot_under_prefill_ms']):>19} "
-              f"{ms(statistics.median(r['long_ttft_ms'])):>19} {ms(statistics.median(r['long_total_ms'])):>20}")
+    rows = [[name, ms(r["tpot_alone_ms"]), ms(r["tpot_under_prefill_ms"]), ms(statistics.median(r["long_ttft_ms"])),
+             ms(statistics.median(r["long_total_ms"]))] for name, r in results.items() if name != "config"]
+    print(markdown_table(["deployment", "TPOT alone", "TPOT under prefill", "long TTFT (median)",
+                          "long total (median)"], rows))
     write_json(args.json, results)
     return 0
 

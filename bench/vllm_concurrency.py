@@ -19,7 +19,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 from bench.engines import REAL_MODEL, Sidecar, checkpoint, kv_bytes_per_token, make_engine, model_facts, \
     parse_or_serve_engine, run_engine, serve_args  # noqa: E402
 from bench.prompts import Prompts  # noqa: E402
-from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     table = summarize(results)
     print(f"model: {'random-weight Llama' if args.random_model else REAL_MODEL}, float32; {args.requests} requests "
           f"of {args.prefix_tokens} shared + {args.suffix_tokens} own tokens, {args.output_tokens} output tokens")
-    print(f"{'case':<44} {'TTFT ms':>9} {'req/s':>7} {'vs vLLM cached':>15} {'vs nothing cached':>18}")
-    for row in table:
-        print(f"{row['case']:<44} {row['ttft_s'] * 1e3:>9.0f} {row['requests_per_s']:>7.2f} "
-              f"{row['throughput_vs_vllm_cached']:>14.2f}x {row['throughput_vs_nothing_cached']:>17.2f}x")
+    print(markdown_table(["case", "TTFT of the batch ms", "requests/s", "÷ vLLM, prefix cached", "÷ nothing cached"],
+                         ([r["case"], f"{r['ttft_s'] * 1e3:,.0f}", f"{r['requests_per_s']:.2f}",
+                           f"{r['throughput_vs_vllm_cached']:.2f}", f"{r['throughput_vs_nothing_cached']:.2f}"]
+                          for r in table)))
     write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"}, "raw": results,
                            "table": table})
     return 0
