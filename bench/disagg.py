@@ -143,8 +143,8 @@ def main() -> int:
 
     rows = [[name, ms(r["tpot_alone_ms"]), ms(r["tpot_under_prefill_ms"]), ms(statistics.median(r["long_ttft_ms"])),
              ms(statistics.median(r["long_total_ms"]))] for name, r in results.items() if name != "config"]
-    print(markdown_table(["deployment", "TPOT alone", "TPOT under prefill", "long TTFT (median)",
-                          "long total (median)"], rows))
+    print(markdown_table(["deployment", "decoders' time per token, alone", "while the long prompts arrive",
+                          "long prompts' TTFT, median", "long prompts' total, median"], rows))
     write_json(args.json, results)
     return 0
 
