@@ -48,6 +48,9 @@ class LoadSpec:
     start: int  # first token to load (a block boundary: where vLLM's own prefix hit ends)
     block_ids: list[int]  # vLLM blocks receiving tokens [start, end)
     load_async: bool = False  # loaded outside the step's forward; reported by the worker when done
+    # Where vLLM starts computing: inside the last block for an audited hit (its withheld
+    # tokens, which the load must leave as vLLM writes them), else the end of the last block.
+    computed_from: int = 0
 
 
 @dataclass
@@ -141,7 +144,7 @@ class SchedulerSide:
         # and whose withheld ones vLLM then computes over the loaded copy.
         whole_end = -(-end // B) * B
         spec = LoadSpec(request.request_id, tracked.salt, tracked.prompt[:whole_end], start,
-                        list(block_ids[start // B:whole_end // B]), self.load_async)
+                        list(block_ids[start // B:whole_end // B]), self.load_async, computed_from=end)
         self._loads[request.request_id] = spec
         tracked.loading = frozenset(spec.block_ids)
         self.audits.allocated(request.request_id, tracked.salt, tracked.prompt, list(block_ids), start, end)

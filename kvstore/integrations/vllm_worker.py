@@ -90,7 +90,29 @@ class _Load:
         self.pending_layers: set[int] = set(range(num_layers))
 
     def scatter(self, layout: PagedLayout, layer: torch.Tensor, i: int) -> None:
-        """Write layer `i` of this load into its blocks of `layer`."""
+        """Write layer `i` of this load into its blocks of `layer`, except the tokens vLLM computes
+        in this step at the end of the last block (an audited hit's withheld tokens)."""
+        computed = self._computed_tail(layout, layer)
+        self._scatter_blocks(layout, layer, i)
+        if computed is not None:  # put vLLM's own tokens back over the stored copy
+            block, offset, kv = computed
+            whole = layout.gather(layer, block)  # (2, B, H, D)
+            whole[:, offset:] = kv
+            layout.scatter(layer, block, whole)
+
+    def _computed_tail(self, layout: PagedLayout, layer: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+        """(the last block, the first token vLLM computes in it, those tokens' KV as the cache holds
+        them now) when this load ends inside a block, else None. vLLM may write a step's new KV
+        into the cache before the layer's load (wait_for_layer_load) runs; whole-block loads
+        would overwrite it, and the audit would compare the store's copy with itself."""
+        first = self.spec.computed_from
+        B = layout.block_size
+        if not first % B or self.block_ids.numel() * B + self.spec.start < first:
+            return None  # the load ends on a block boundary, or its last block was not served
+        block = self.block_ids[-1:]
+        return block, first % B, layout.gather(layer, block)[:, first % B:].clone()  # (2, W, H, D)
+
+    def _scatter_blocks(self, layout: PagedLayout, layer: torch.Tensor, i: int) -> None:
         if self.pinned is not None:
             runs = self.pinned.runs
             assert runs is not None  # a load keeps a pinned fetch only with its runs (StoreLink.fetch_in_place)

@@ -131,3 +131,21 @@ def test_audit_tokens_in_the_connector_config():
     for bad in (0, -1, 1.5, True, "8"):
         with pytest.raises(ValueError, match=r"kv_connector_extra_config.audit_tokens: must be an integer in \[1"):
             ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB", "audit_tokens": bad})
+
+
+@pytest.mark.parametrize("computed_from", [3 * B - 8, 3 * B])
+def test_a_load_ending_inside_a_block_leaves_the_tokens_vllm_computes(computed_from):
+    from kvstore.integrations.paged_layout import ContentSplitLayout
+    from kvstore.integrations.vllm_scheduler import LoadSpec
+    from kvstore.integrations.vllm_worker import _Load
+
+    H, D = 2, 8
+    layout = ContentSplitLayout("test", B, H, D)
+    layer = torch.randn(6, H, B, 2 * D)  # vLLM's cache, with this step's own KV already written
+    before = layout.gather(layer, torch.tensor([0, 2, 5]))  # (2, 3B, H, D)
+    stored = torch.randn(1, 2, 3 * B, H, D)  # (L, 2, T, H, D): the store's three blocks
+    spec = LoadSpec("r", None, list(range(3 * B)), 0, [0, 2, 5], computed_from=computed_from)
+    _Load(spec, torch.tensor([0, 2, 5]), 1, kv=stored).scatter(layout, layer, 0)
+    after = layout.gather(layer, torch.tensor([0, 2, 5]))
+    torch.testing.assert_close(after[:, :computed_from], stored[0, :, :computed_from], rtol=0, atol=0)
+    torch.testing.assert_close(after[:, computed_from:], before[:, computed_from:], rtol=0, atol=0)
