@@ -1,7 +1,8 @@
 """vLLM's time to first token with kvstore as its KV connector (in-process CPU and disk tiers, a
 sidecar over shared memory and TCP) against a full prefill and vLLM's own prefix cache, in one run.
 
-    python bench/vllm_ttft.py [--sizes 1024,2048,4096,8191] [--json out.json] [--random-model] [--audit-rate R]
+    python bench/vllm_ttft.py [--sizes 1024,2048,4096,8191] [--json out.json] [--random-model]
+                              [--audit-rate R] [--audit-tokens N]
 
 The engines, rows, targets and figures: docs/vllm.md, "Performance".
 """
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="model and KV dtype (float32: CPUs without AVX512-BF16 emulate bf16 matmuls, ~10x slower)")
     parser.add_argument("--audit-rate", type=float, default=0.0,
                         help="also run the in-process engine with this audit_rate, on a store of its own (0: not)")
+    parser.add_argument("--audit-tokens", type=int, help="the audited engine's audit_tokens (default: the connector's)")
     args = parse_or_serve_engine(parser, argv, engine_main)
     if args is None:
         return 0
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             results["disk"] = run_engine(dict(base, extra=store, plan="hit"), __file__)
             bar.update()
             if args.audit_rate > 0:
-                audited = dict(store, data_dir=str(root / "store-audit"), audit_rate=args.audit_rate)
+                audited = dict(store, data_dir=str(root / "store-audit"), audit_rate=args.audit_rate,
+                               **({} if args.audit_tokens is None else {"audit_tokens": args.audit_tokens}))
                 results["audit"] = run_engine(dict(base, extra=audited, plan="audit_in_turns"), __file__)
                 bar.update()
             with Sidecar(root / "sidecar", serve_args(store_bytes)) as sidecar:
