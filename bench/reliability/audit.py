@@ -412,6 +412,23 @@ def run_chunk_positions(dtype: str, positions: tuple[int, ...] = (1000, 3000, 70
     return reports
 
 
+def time_chunk_audits(dtype: str, repeats: int = 5, *, model: LlamaModel | None = None) -> dict[float, float]:
+    """audit_rate -> best TTFT (s) over `repeats` of a blend of two stored 200-token chunks of real
+    text after a 20-token prefix, with an 8-token question, audited (1) or not (0), interleaved."""
+    model = model or real_model(dtype)
+    text = real_text(model, max_chars=60_000)
+    chunks, prefix, question = [text[1000:1200], text[3000:3200]], text[5000:5020], text[6000:6008]
+    best: dict[float, float] = {}
+    with new_store() as store:
+        _blend(model, store, prefix, chunks, question, 1)  # stores the chunks and the prefix
+        for _ in range(repeats):
+            for rate in (0.0, 1.0):
+                result = _blend(model, store, prefix, chunks, question, 1, audit_rate=rate, store=False)
+                assert result.chunk_hits == [True, True] and len(result.chunk_audits) == 2 * rate
+                best[rate] = min(best.get(rate, float("inf")), result.ttft_s)
+    return best
+
+
 def _print_clean(clean: CleanReport) -> None:
     zero = sum(w == 0.0 for w in clean.worst)
     print(f"clean {clean.path} {clean.dtype}: {clean.hits} audits, {clean.failures} failures, worst "
