@@ -8,7 +8,7 @@
 plus, in both, `model` (the store's model name), `timeout_s`, `page_size`, `audit_rate` (the
 probability that a hit is audited, 0 to 1, default 0: kvstore/integrations/vllm_audit.py) and
 `audit_tokens` (how many tokens of an audited hit's last block vLLM computes and compares, 1 to
-block_size, default 8). The
+block_size, default 1). The
 in-process keys are `StoreConfig`'s fields, with the names and units of `kvstore serve` (sizes
 like "1GiB").
 An unknown key, or a sidecar key mixed with store keys, is an error that names it.
@@ -34,7 +34,7 @@ from kvstore.sizes import parse_bytes
 
 SIDECAR_KEYS = ("url", "token", "tokens", "shared_memory_bytes", "kv_events_endpoint", "kv_events_replay_endpoint")
 COMMON_KEYS = ("model", "timeout_s", "page_size", "retry_after_s", "load_async", "audit_rate", "audit_tokens")
-DEFAULT_AUDIT_TOKENS = 8  # of an audited hit's last block, computed by vLLM and compared (vllm_audit.py)
+DEFAULT_AUDIT_TOKENS = 1  # of an audited hit's last block, computed by vLLM and compared (vllm_audit.py)
 STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreConfig))
 DEFAULT_PAGE_SIZE = 16  # the decode loop's (decode/loader.py): the same pages serve both
 

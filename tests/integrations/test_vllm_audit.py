@@ -126,7 +126,7 @@ def test_an_audit_of_a_few_tokens_withholds_only_them_and_compares_only_them():
 
 
 def test_audit_tokens_in_the_connector_config():
-    assert ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB"}).audit_tokens == 8
+    assert ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB"}).audit_tokens == 1
     assert ConnectorConfig.from_extra_config({"cpu_bytes": "64MiB", "audit_tokens": 32}).audit_tokens == 32
     for bad in (0, -1, 1.5, True, "8"):
         with pytest.raises(ValueError, match=r"kv_connector_extra_config.audit_tokens: must be an integer in \[1"):
