@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
@@ -22,6 +23,9 @@ from bench.reliability.crash import run_crash  # noqa: E402
 from bench.reliability.full_disk import run_full_disk  # noqa: E402
 from bench.reliability.load import run_load  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
+
+if TYPE_CHECKING:  # the audit's modules load torch and the model: only when it runs
+    from bench.reliability.audit import FaultCase
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,27 +141,24 @@ def _concurrency(work: Path, ops: int, rows: list[tuple[str, str]], reports: dic
 
 def _audit(hits: int, vllm_hits: int, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
     """Audited reuse on the real model (bench/reliability/audit.py, vllm_audit.py): every fault,
-    then the clean hits behind the tolerance, in the decode loop and in vLLM."""
-    from bench.reliability.audit import real_model, run_clean, run_faults
+    then the clean hits behind the tolerance, in the decode loop (prefixes and CacheBlend chunks)
+    and in vLLM."""
+    from bench.reliability.audit import real_model, run_chunk_clean, run_chunk_faults, run_clean, run_faults
     from bench.reliability.vllm_audit import run_vllm_audit
 
     for dtype in ("float32", "bfloat16"):
         model = real_model(dtype)
-        for case in run_faults(dtype, model=model):
-            reports[f"audit_fault_{dtype}_{case.fault}_{case.where.replace(' ', '_')}"] = case
-            verdict = (f"**caught** on the first audited hit (layer {case.first_layer}, deviation {case.worst:.3g} > "
-                       f"{case.tolerance:.3g})" if case.detected else
-                       f"**slipped** (deviation {case.worst:.3g} <= {case.tolerance:.3g})")
-            rows.append((f"audit, decode loop, {dtype}: {case.fault} in the {case.where}",
-                         f"{verdict}; store still matched {case.left_tokens} tokens; audited request = its full "
-                         f"prefill: {case.audited_answer_ok}; next request recomputed {case.next_recomputed}, = its "
-                         f"full prefill: {case.next_answer_ok}; a later hit passed: {case.later_passed} "
-                         f"({case.seconds:.0f} s)"))
-        for path in ("in-process", "sidecar"):
-            r = run_clean(dtype, hits, path=path, model=model)
+        for kind, run in (("prefix", run_faults), ("chunk", run_chunk_faults)):
+            for case in run(dtype, model=model):
+                reports[f"audit_{kind}_fault_{dtype}_{case.fault}_{case.where.replace(' ', '_')}"] = case
+                rows.append((f"audit, decode loop, {dtype}, {kind}: {case.fault} in the {case.where}",
+                             _fault_row(case)))
+        for path in ("in-process", "sidecar", "chunks"):
+            r = run_chunk_clean(dtype, hits, model=model) if path == "chunks" else \
+                run_clean(dtype, hits, path=path, model=model)
             reports[f"audit_clean_{dtype}_{path}"] = r
-            rows.append((f"audit, decode loop, {dtype}, {path}: clean audited hits of real text",
-                         f"{r.hits} hits: **{r.failures} false alarms**; worst deviation {max(r.worst):.3g} "
+            rows.append((f"audit, decode loop, {dtype}, {path}: clean audits of real text",
+                         f"{r.hits} audits: **{r.failures} false alarms**; worst deviation {max(r.worst):.3g} "
                          f"({r.worst_in_eps:.1f} eps) against a tolerance of {r.tolerance:.3g} ({r.seconds:.0f} s)"))
     for dtype in ("float32", "bfloat16"):
         for path in ("in-process", "sidecar"):
@@ -168,6 +169,15 @@ def _audit(hits: int, vllm_hits: int, rows: list[tuple[str, str]], reports: dict
             rows.append((f"audit, vLLM {dtype}, {path}",
                          f"{v.cross_engine_hits} clean hits on the decode loop's pages + {v.same_engine_hits} on "
                          f"vLLM's own: **{v.failures} false alarms**; faults: {caught} ({v.seconds:.0f} s)"))
+
+
+def _fault_row(case: FaultCase) -> str:
+    verdict = (f"**caught** on the first audited hit (layer {case.first_layer}, deviation {case.worst:.3g} > "
+               f"{case.tolerance:.3g})" if case.detected else
+               f"**slipped** (deviation {case.worst:.3g} <= {case.tolerance:.3g})")
+    return (f"{verdict}; store still matched {case.left_tokens} tokens; audited request = its full prefill: "
+            f"{case.audited_answer_ok}; next request recomputed {case.next_recomputed}, = its full prefill: "
+            f"{case.next_answer_ok}; a later hit passed: {case.later_passed} ({case.seconds:.0f} s)")
 
 
 def _concurrency_result(r: ConcurrencyReport) -> str:
