@@ -282,11 +282,16 @@ def run_clean(dtype: str, hits: int, *, path: str = "in-process", documents: int
             report.worst.append(result.audit.worst)
             if progress is not None:
                 progress(report.hits)
-        stats = backend.stats()["audits"].get(model.name, {})
-        counted = sum(c["passes"] + c["failures"] for c in stats.values())
-        assert counted == report.hits, f"the store counted {counted} audits of {report.hits}"
+        _check_counted(backend, model.name, report.hits)
     report.seconds = time.perf_counter() - began
     return report
+
+
+def _check_counted(backend: Any, model: str, hits: int) -> None:
+    """Every audit reached the store: its counters add up to the audits the engine made."""
+    stats = backend.stats()["audits"].get(model, {})
+    counted = sum(c["passes"] + c["failures"] for c in stats.values())
+    assert counted == hits, f"the store counted {counted} audits of {hits}"
 
 
 CHUNK_FAULTS = ("slot-bytes", "weights-1.01", "k-no-rope", "k-wrong-pos", "heads-permuted", "collision")
@@ -370,9 +375,7 @@ def run_chunk_clean(dtype: str, audits: int, *, pool: int = 12, seed: int = 61, 
                 report.worst.append(outcome.worst)
             if progress is not None:
                 progress(report.hits)
-        stats = store.stats()["audits"].get(model.name, {})
-        counted = sum(c["passes"] + c["failures"] for c in stats.values())
-        assert counted == report.hits, f"the store counted {counted} audits of {report.hits}"
+        _check_counted(store, model.name, report.hits)
     report.seconds = time.perf_counter() - began
     return report
 
