@@ -37,8 +37,9 @@ def test_a_fault_in_the_audited_page_is_caught_dropped_and_recomputed(smollm2_mo
 
 
 def test_a_clean_chunk_hit_passes_its_audit_on_the_real_model(smollm2_model, text):
-    """CacheBlend: a stored chunk blended after a prefix (so its K is re-rotated) is audited at
-    its new positions against the engine's own standalone computation, and passes."""
+    """CacheBlend: a stored chunk blended after a prefix (so its K is re-rotated there) is
+    audited, rotated back to where the store keeps it, against the engine's own standalone
+    computation, and passes."""
     from bench.reliability.audit import new_store
 
     model = smollm2_model
