@@ -107,9 +107,9 @@ def leaf_first_checked(name: str) -> type[EvictionPolicy]:
 
 
 def assert_leaf_first_and_no_worse_than_lru(policy: str, preset: str) -> None:
-    """On a 600-request `preset` trace at 2% and 10% of its blocks, `policy` checked leaf-first at
+    """On a 400-request `preset` trace at 2% and 10% of its blocks, `policy` checked leaf-first at
     every eviction hits as it does unchecked, and never below LRU by more than 0.002."""
-    trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=600, seed=11)))
+    trace = compile_trace(preset, generate(replace(PRESETS[preset], num_requests=400, seed=11)))
     for fraction in (0.02, 0.1):
         tiers = [("cpu", max(round(fraction * trace.unique_blocks), 200))]
         checked = replay(trace, tiers, leaf_first_checked(policy)).hit_ratio
