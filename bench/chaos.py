@@ -1,7 +1,7 @@
 """Run every reliability scenario at full size and print the README's Reliability table.
 
     python bench/chaos.py [--json FILE] [--load-s 60] [--only corruption|concurrency|audit]
-                          [--audit-hits 200] [--audit-vllm-hits 100]
+                          [--audit-hits 200] [--audit-vllm-hits 100] [--audit-dtypes float32,bfloat16]
 
 Scenarios live in bench/reliability/ (tests/reliability/ runs the same code small).
 """
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(in-process, sidecar)")
     parser.add_argument("--audit-vllm-hits", type=int, default=100,
                         help="clean audited hits of each vLLM engine (float32 and bfloat16, in-process and sidecar)")
+    parser.add_argument("--audit-dtypes", default="float32,bfloat16",
+                        help="the audit's dtypes, comma-separated (bfloat16 is slow on CPUs without AVX512-BF16)")
     parser.add_argument("--only", choices=["corruption", "concurrency", "audit"], help="run only these scenarios")
     args = parser.parse_args(argv)
     rows: list[tuple[str, str]] = []
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.only == "audit":
-            _audit(args.audit_hits, args.audit_vllm_hits, rows, reports)
+            _audit(args.audit_hits, args.audit_vllm_hits, args.audit_dtypes.split(","), rows, reports)
         if args.only in (None, "concurrency"):
             _concurrency(work, args.concurrency_ops, rows, reports)
         if args.only in (None, "corruption"):
@@ -139,14 +141,15 @@ def _concurrency(work: Path, ops: int, rows: list[tuple[str, str]], reports: dic
     rows.append((f"concurrency, {r.path}: 8 clients, {r.kills} kills", _concurrency_result(r)))
 
 
-def _audit(hits: int, vllm_hits: int, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
+def _audit(hits: int, vllm_hits: int, dtypes: list[str], rows: list[tuple[str, str]],
+           reports: dict[str, object]) -> None:
     """Audited reuse on the real model (bench/reliability/audit.py, vllm_audit.py): every fault,
     then the clean hits behind the tolerance, in the decode loop (prefixes and CacheBlend chunks)
     and in vLLM."""
     from bench.reliability.audit import real_model, run_chunk_clean, run_chunk_faults, run_clean, run_faults
     from bench.reliability.vllm_audit import run_vllm_audit
 
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         model = real_model(dtype)
         for kind, run in (("prefix", run_faults), ("chunk", run_chunk_faults)):
             for case in run(dtype, model=model):
@@ -160,7 +163,7 @@ def _audit(hits: int, vllm_hits: int, rows: list[tuple[str, str]], reports: dict
             rows.append((f"audit, decode loop, {dtype}, {path}: clean audits of real text",
                          f"{r.hits} audits: **{r.failures} false alarms**; worst deviation {max(r.worst):.3g} "
                          f"({r.worst_in_eps:.1f} eps) against a tolerance of {r.tolerance:.3g} ({r.seconds:.0f} s)"))
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         for path in ("in-process", "sidecar"):
             v = run_vllm_audit(dtype, path, vllm_hits)
             reports[f"audit_vllm_{dtype}_{path}"] = v
