@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_serve_engine(parser, argv, engine_main)
     if args is None:
         return 0
+    if args.only_audit and args.audit_rate <= 0:
+        parser.error("--only-audit: needs --audit-rate > 0")
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp:
         root = Path(tmp)
@@ -230,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             results["disk"] = run_engine(dict(base, extra=store, plan="hit"), __file__)
             bar.update()
             if args.audit_rate > 0:
-                audited = dict(store, data_dir=str(root / "store-audit"), audit_rate=args.audit_rate,
-                               **({} if args.audit_tokens is None else {"audit_tokens": args.audit_tokens}))
-                results["audit"] = run_engine(dict(base, extra=audited, plan="audit_in_turns"), __file__)
+                results["audit"] = run_audit_engine(args, base, store, root)
                 bar.update()
             with Sidecar(root / "sidecar", serve_args(store_bytes)) as sidecar:
                 url = sidecar.url
@@ -257,13 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def audit_only(args: argparse.Namespace, base: dict[str, Any], store: dict[str, Any], root: Path) -> int:
-    """The audited engine alone: per size, its audited and unaudited store hits and their ratio."""
-    if args.audit_rate <= 0:
-        raise SystemExit("--only-audit: needs --audit-rate > 0")
+def run_audit_engine(args: argparse.Namespace, base: dict[str, Any], store: dict[str, Any], root: Path) -> Any:
+    """The in-process engine with `--audit-rate` (and `--audit-tokens`) on a store of its own,
+    its store hits audited and not, in turns."""
     audited = dict(store, data_dir=str(root / "store-audit"), audit_rate=args.audit_rate,
                    **({} if args.audit_tokens is None else {"audit_tokens": args.audit_tokens}))
-    result = run_engine(dict(base, extra=audited, plan="audit_in_turns"), __file__)
+    return run_engine(dict(base, extra=audited, plan="audit_in_turns"), __file__)
+
+
+def audit_only(args: argparse.Namespace, base: dict[str, Any], store: dict[str, Any], root: Path) -> int:
+    """The audited engine alone: per size, its audited and unaudited store hits and their ratio."""
+    result = run_audit_engine(args, base, store, root)
     print(f"{'tokens':>6} {'audited ms':>10} {'unaudited ms':>12} {'own hit ms':>10}  audited / unaudited, "
           f"median of {args.repeats} pairs (each pair's ratio)")
     for size, row in result["rows"].items():

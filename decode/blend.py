@@ -101,8 +101,6 @@ class ChunkReuse(PrefixReuse):
         if len(chunk) < self.model.spec.page_size or not sampled(audit_rate):
             return None
         outcome = audit_chunk(self.model, chunk, kv, position, cache)
-        if outcome is None:
-            return None
         if not outcome.passed:
             log.warning("kvstore audit: model %s, chunk of %d tokens at position %d, %s; computing it standalone",
                         self.model.name, len(chunk), position, outcome.describe())

@@ -31,14 +31,13 @@ from kvstore.reuse_audit import AuditOutcome, compare_page
 
 
 def audit_chunk(model: LlamaModel, chunk: list[int], kv: torch.Tensor, position: int,
-                cache: PagedKVCache) -> AuditOutcome | None:
-    """Audit the chunk hit `chunk` whose KV `blend` answered as `kv` (L, 2, n, H, D), K at
-    positions position..position+n-1. None: the chunk is shorter than one page (nothing to
-    audit). `cache` needs room for the chunk's full pages beside what it already holds."""
+                cache: PagedKVCache) -> AuditOutcome:
+    """Audit the chunk hit `chunk` (at least one page) whose KV `blend` answered as `kv`
+    (L, 2, n, H, D), K at positions position..position+n-1. `cache` needs room for the chunk's
+    full pages beside what it already holds."""
     page = model.spec.page_size
     full = len(chunk) // page * page
-    if full < page:
-        return None
+    assert full >= page, f"a chunk of {len(chunk)} tokens has no full page to audit"
     start = full - page  # the compared page: [start, full) of the chunk
     stored = torch.empty_like(kv[:, :, :full])  # (L, 2, full, H, D): K back at positions 0..full-1
     rerotate_into(stored, kv[:, :, :full], model.spec, -position)
