@@ -46,7 +46,7 @@ class LoadSpec:
     salt: str | None
     tokens: list[int]  # the prompt up to the end of the last block loaded: the store's key for the pages
     start: int  # first token to load (a block boundary: where vLLM's own prefix hit ends)
-    block_ids: list[int]  # vLLM blocks receiving tokens [start, end)
+    block_ids: list[int]  # vLLM blocks receiving tokens from start to the end of `tokens`
     load_async: bool = False  # loaded outside the step's forward; reported by the worker when done
     # Where vLLM starts computing: inside the last block for an audited hit (its withheld
     # tokens, which the load must leave as vLLM writes them), else the end of the last block.
