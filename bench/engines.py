@@ -189,12 +189,17 @@ class RedisServer:
 
 class EngineServer:
     """`role` None: no connector (vLLM with its own prefix cache alone). `tp` > 1: that many
-    tensor-parallel ranks, each a process of its own sharing the machine's cores."""
+    tensor-parallel ranks, each a process of its own sharing the machine's cores. `one_process`
+    (tp 1 only): the engine core and its worker run in the API server's process, as `vllm serve`
+    does with VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor: it starts sooner, since
+    vLLM is imported by one process, not three (the tests' engines)."""
 
     def __init__(self, model: Path, role: str | None, store_url: str | None, log_path: Path,
-                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048, tp: int = 1):
+                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048, tp: int = 1, one_process: bool = False):
+        if one_process and tp > 1:
+            raise ValueError(f"one_process: needs tp 1, got tp {tp} (tensor-parallel ranks are processes)")
         self.model, self.role, self.store_url, self.log_path = model, role, store_url, log_path
-        self.tp = tp
+        self.tp, self.one_process = tp, one_process
         self.kv_cache_bytes, self.max_model_len = kv_cache_bytes, max_model_len
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -209,6 +214,9 @@ class EngineServer:
         if self.tp > 1:
             command += ["--tensor-parallel-size", str(self.tp), "--distributed-executor-backend", "mp"]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # more ranks than cores: let them share
+        if self.one_process:
+            command += ["--distributed-executor-backend", "uni"]
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.role is not None:
             transfer = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
                         "kv_role": self.role, "kv_connector_extra_config": {"url": self.store_url}}

@@ -29,7 +29,7 @@ from kvstore.decode.model_pull import pull  # noqa: E402
 pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
 
 MAX_TOKENS = 8
-TOPICS = ["for", "while", "if", "with", "assert", "return", "truth", "exceptions", "global", "import"]
+TOPICS = ["for", "while", "if", "with", "assert", "return"]
 
 
 def chat(index: int) -> list[dict[str, str]]:
@@ -59,8 +59,9 @@ def deployment(tmp_path_factory):
     model = pull("smollm2")
     sidecar = Sidecar(root / "store", cpu_bytes="512MiB", disk_bytes="0")
     sidecar.start()
-    prefill = EngineServer(model, "kv_producer", sidecar.url, root / "prefill.log").start()
-    decode = EngineServer(model, "kv_consumer", sidecar.url, root / "decode.log").start()
+    # Each engine in one process: the scheduler-worker split across processes is test_vllm_tensor_parallel.py's.
+    prefill = EngineServer(model, "kv_producer", sidecar.url, root / "prefill.log", one_process=True).start()
+    decode = EngineServer(model, "kv_consumer", sidecar.url, root / "decode.log", one_process=True).start()
     proxy_port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill.url,
                               "--decode", decode.url, "--port", str(proxy_port)],
@@ -101,14 +102,14 @@ def test_the_proxys_answers_are_one_engines_answers(answers):
 
 def test_the_decode_engine_loads_all_but_the_last_block_from_the_prefill(answers):
     with_prefill = [(prompt, cached) for prefilled, _, (_, prompt, cached) in answers if prefilled]
-    assert len(with_prefill) >= 5 and all(prompt >= 3 * BLOCK for prompt, _ in with_prefill)
+    assert len(with_prefill) >= 3 and all(prompt >= 3 * BLOCK for prompt, _ in with_prefill)
     for prompt, cached in with_prefill:
         assert cached >= prompt - BLOCK, (prompt, cached)
 
 
 def test_a_dead_prefill_engine_costs_a_recompute_and_the_same_answers(answers, deployment):
     after = [served for prefilled, _, served in answers if not prefilled]
-    assert len(after) >= 4
+    assert len(after) >= 3
     assert all(cached == 0 for _, _, cached in after)  # nobody stored these prompts: computed by the decode engine
     with urllib.request.urlopen(deployment["proxy"] + "/healthz", timeout=10) as answer:
         health = json.loads(answer.read())
