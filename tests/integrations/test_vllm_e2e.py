@@ -120,12 +120,11 @@ def recomputed(llm: LLM, prompt: list[int], max_tokens: int = 8) -> list[int]:
     return tokens
 
 
-def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]],
-                     multiprocessing: bool = False) -> list[dict]:
-    """Outputs of a new engine process; with `multiprocessing`, vLLM's own worker process too."""
+def run_fresh_engine(checkpoint: Path, extra: dict, prompts: list[list[int]]) -> list[dict]:
+    """Outputs of a new engine process (scheduler and worker in it)."""
     job = {"model": str(checkpoint), "extra": extra, "prompts": prompts, "max_tokens": 8,
            "engine": ENGINE}
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     done = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True, timeout=300,
                           env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -159,9 +158,10 @@ def test_an_in_process_store_serves_a_restarted_engine_from_its_disk_tier(llm, c
     finally:
         store.close()
     expected = recomputed(llm, second)
-    # A new process with only the disk tier; vLLM's worker in a process of its own, served the
-    # store by the scheduler's process (the connector's loopback sidecar).
-    (restarted,) = run_fresh_engine(checkpoint, extra, [second], multiprocessing=True)
+    # A new process with only the disk tier. (A worker in a process of its own, served the store
+    # by the scheduler's process through the connector's loopback sidecar, is
+    # test_vllm_tensor_parallel.py's TP=2 engine on a directory the decode loop wrote.)
+    (restarted,) = run_fresh_engine(checkpoint, extra, [second])
     assert restarted == {"tokens": expected, "cached": PREFIX}
 
 
