@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from heapq import heapify, heappop, heappush
-from typing import Any
+from typing import Any, Callable
 
 from kvstore.index import Node
 
@@ -101,13 +101,8 @@ class EvictionPolicy:
     def victim(self) -> Node | None:
         heap, live = self._heap, self._live
         eligible, priority, in_place = self.eligible, self.priority, self.touch_in_place
-        while heap:
-            ranked, seq, node = heappop(heap)
-            if live.get(node) != seq:
-                continue  # stale entry
-            if not eligible(node):
-                live[node] = PARKED
-                continue
+        while (entry := pop_eligible(heap, live, eligible)) is not None:
+            ranked, node = entry
             if in_place and ranked != priority(node):
                 self._push(node)  # touched since it was ranked: rank it where it belongs now
                 continue
@@ -117,3 +112,18 @@ class EvictionPolicy:
             live[node] = PARKED
             return node
         return None
+
+
+def pop_eligible(heap: list[tuple[Any, int, Node]], live: dict[Node, int],
+                 eligible: Callable[[Node], bool]) -> tuple[Any, Node] | None:
+    """Pop `heap` down to its first live entry whose node is eligible: (its rank, the node), or
+    None once the heap is empty. Stale entries are dropped; ineligible nodes are parked."""
+    while heap:
+        ranked, seq, node = heappop(heap)
+        if live.get(node) != seq:
+            continue  # stale entry
+        if not eligible(node):
+            live[node] = PARKED
+            continue
+        return ranked, node
+    return None

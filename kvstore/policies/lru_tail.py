@@ -1,11 +1,11 @@
 """`lru-tail`: leaf-first LRU that evicts tail pages first."""
 from __future__ import annotations
 
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappush
 from typing import Any
 
 from kvstore.index import Node
-from kvstore.policies.base import PARKED, EvictionPolicy
+from kvstore.policies.base import PARKED, EvictionPolicy, pop_eligible
 
 # What a subclass may not change: the two heaps below are this ranking's and no other's.
 _RANKING = ("priority", "eligible", "leaf_first", "touch_in_place")
@@ -72,15 +72,12 @@ class LRUTailPolicy(EvictionPolicy):
         tails, fulls, live, eligible = self._tails, self._heap, self._live, self.eligible
         while True:
             full = not tails
-            heap = fulls if full else tails
-            if not heap:
-                return None
-            ranked, seq, node = heappop(heap)
-            if live.get(node) != seq:
-                continue  # stale entry
-            if not eligible(node):
-                live[node] = PARKED
-                continue
+            entry = pop_eligible(fulls if full else tails, live, eligible)
+            if entry is None:
+                if full:
+                    return None
+                continue  # no tail page left to evict: the full pages next
+            ranked, node = entry
             if ranked != node.last_access or (not node.tail) != full:
                 self._push(node)  # touched since it was ranked: rank it where it belongs now
                 continue
