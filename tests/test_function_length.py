@@ -1,7 +1,9 @@
 """No function on the data path is longer than 60 lines: kvstore/*.py (the store, its fetch and
 store paths, placement, the tier stack) and tiers/*.py, read with `ast`. A function that outgrows
 that is split into its phases, each named for what it does (docs/design.md §4, §9), so a reader
-follows a request through short steps and a profile names the step that costs.
+follows a request through short steps and a profile names the step that costs. And no library
+file (kvstore, api, tiers, gpu, decode) is longer than 400 lines: one that grows past it holds
+more than one concept.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_PATH = ("kvstore", "tiers")
+LIBRARY = ("kvstore", "api", "tiers", "gpu", "decode")
 MAX_LINES = 60
+MAX_FILE_LINES = 400
 
 
 def long_functions(paths: list[Path], root: Path = REPO) -> list[str]:
@@ -43,3 +47,11 @@ def test_the_checker_names_a_long_method_with_its_file_and_line(tmp_path) -> Non
     assert long_functions([path], tmp_path) == []  # exactly MAX_LINES lines
     path.write_text(source + "        return x0\n")
     assert long_functions([path], tmp_path) == [f"kvstore/fake.py:6 long ({MAX_LINES + 1} lines)"]
+
+
+def test_no_library_file_is_longer_than_400_lines() -> None:
+    paths = sorted(p for folder in LIBRARY for p in (REPO / folder).rglob("*.py"))
+    assert len(paths) > 100  # it reads the packages, sub-packages included
+    lengths = {p: len(p.read_text().splitlines()) for p in paths}
+    found = [f"{p.relative_to(REPO)} ({n} lines)" for p, n in lengths.items() if n > MAX_FILE_LINES]
+    assert not found, f"library files over {MAX_FILE_LINES} lines (split them by concept):\n" + "\n".join(found)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,48 +35,17 @@ import torch
 
 from kvstore import ModelSpec
 from kvstore.host_memory import empty_host
-from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout, ContentSplitLayout,
-                                               PagedLayout, StridedBlockLayout, UnsupportedLayout, probe_block_order)
+from kvstore.integrations.backend_layouts import layer_index, layout_for
+from kvstore.integrations.paged_layout import ContentSplitLayout, PagedLayout, UnsupportedLayout
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm_audit import WorkerAudits
 from kvstore.integrations.vllm_scheduler import LoadSpec, SaveSpec, StepMeta
 from kvstore.pinned_fetch import PinnedFetch
 
-# Backends whose per-layer cache is the logical (num_blocks, H, B, 2D) view with K then V in the
-# last dim, in either physical order (NHD or HND): checked in their forward() of vLLM 0.32.
-CONTENT_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER")
-CPU_BACKEND = "CPU_ATTN"
 # A sidecar's fetch answer over TCP is received whole (its fields, a few hundred bytes, then the
 # KV) into a load's staging buffer: room for the fields on top of the KV.
 ANSWER_FIELDS_BYTES = 4096
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 log = logging.getLogger("kvstore.vllm")
-
-
-def layer_index(name: str) -> int:
-    """`model.layers.7.self_attn.attn` -> 7 (the store's layer index)."""
-    found = _LAYER_INDEX.findall(name)
-    if not found:
-        raise UnsupportedLayout(f"{name}: cannot tell which layer this KV cache belongs to")
-    return int(found[-1])
-
-
-def layout_for(backend: str, *, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               cpu_writer: Callable[[], Callable[..., None]] | None = None,
-               kv_cache_layout: str | None = None) -> PagedLayout:
-    """The `PagedLayout` of an attention backend, by its vLLM name; any other is refused by name."""
-    if backend in CONTENT_SPLIT_BACKENDS:
-        return ContentSplitLayout(f"{backend}/{kv_cache_layout or 'NHD'}", block_size, num_kv_heads, head_dim)
-    if backend == CPU_BACKEND and cpu_writer is not None:
-        write = cpu_writer()
-        order = probe_block_order(write, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                  dtype=dtype, name=backend)
-        reader = StridedBlockLayout.from_order(f"{backend}/strided", block_size, num_kv_heads, head_dim, order) \
-            or BlockPermutationLayout(f"{backend}/permuted", block_size, num_kv_heads, head_dim, order)
-        return BackendWrittenLayout(reader, write)
-    known = ", ".join((*CONTENT_SPLIT_BACKENDS, CPU_BACKEND))
-    raise UnsupportedLayout(f"KVStoreConnector: attention backend {backend!r} has a paged KV layout kvstore does not "
-                            f"know (known: {known})")
 
 
 class _Load:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.integrations.vllm_worker import layout_for
+from kvstore.integrations.backend_layouts import layout_for
 
 pytestmark = pytest.mark.gpu
 B, H, D, N = 16, 8, 128, 40  # vLLM's default FLASH_ATTN block size; a Llama-8B layer's KV heads and head size

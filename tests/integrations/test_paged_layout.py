@@ -10,7 +10,7 @@ import torch
 
 from kvstore.integrations.paged_layout import (BackendWrittenLayout, BlockPermutationLayout, ContentSplitLayout,
                                                StridedBlockLayout, UnsupportedLayout, probe_block_order)
-from kvstore.integrations.vllm_worker import layer_index, layout_for
+from kvstore.integrations.backend_layouts import layer_index, layout_for
 
 B, H, D, N = 32, 2, 8, 12  # block size, KV heads, head size, blocks in the pool
 BLOCKS = torch.tensor([7, 2, 9])
