@@ -47,12 +47,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -86,31 +87,27 @@ CONTROLS = ("random", "first")
 REFERENCE_DIR = REPO / "bench" / "out" / "blend_reference"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Variant:
-    """One (ratio, selection) over all prompts: per-prompt figures."""
+    """One (ratio, selection). A prompt's record holds its figures under `name`: kl, top1, exact,
+    greedy8, needle (None off needle prompts), recomputed (the fraction of chunk tokens through the
+    last layer) and layer_work (the mean over layers 1.. of the fraction through them)."""
     ratio: float
     rule: str  # the variant's label: "rule" (the decode loop's), a control, or a --variants label
     selection: TokenSelection
-    kl: list[float] = field(default_factory=list)
-    top1: list[float] = field(default_factory=list)
-    exact: list[float] = field(default_factory=list)
-    greedy8: list[float] = field(default_factory=list)
-    needle: list[float] = field(default_factory=list)
-    recomputed: list[float] = field(default_factory=list)  # fraction of chunk tokens through the last layer
-    layer_work: list[float] = field(default_factory=list)  # mean over layers 1.. of the fraction through them
 
     @property
     def name(self) -> str:
         return f"{self.rule}@{self.ratio:g}"
 
-    def summary(self) -> dict[str, Any]:
-        mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
-        return {"ratio": self.ratio, "rule": self.rule, "kl": mean(self.kl), "top1": mean(self.top1),
-                "exact": mean(self.exact), "greedy8": mean(self.greedy8), "needle": mean(self.needle),
-                "recomputed_fraction": mean(self.recomputed), "layer_work": mean(self.layer_work),
-                "prompts": len(self.kl), "selection": repr(self.selection), "kl_per_prompt": self.kl,
-                "greedy8_per_prompt": self.greedy8}
+    def summary(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Means over the prompts' records, in their order: the same however the run was split."""
+        figures = {key: [r["variants"][self.name][key] for r in records if r["variants"][self.name][key] is not None]
+                   for key in ("kl", "top1", "exact", "greedy8", "needle", "recomputed", "layer_work")}
+        mean = {key: statistics.mean(xs) if xs else None for key, xs in figures.items()}
+        return {"ratio": self.ratio, "rule": self.rule, **mean, "recomputed_fraction": mean.pop("recomputed"),
+                "prompts": len(figures["kl"]), "selection": repr(self.selection), "kl_per_prompt": figures["kl"],
+                "greedy8_per_prompt": figures["greedy8"]}
 
 
 def parse_selection(spec: str, base: TokenSelection = TokenSelection()) -> TokenSelection:
@@ -267,7 +264,7 @@ class Evaluator:
             ends = [n_prefix + sum(map(len, prompt.chunks[:i + 1])) for i in range(len(prompt.chunks))]
             teacher = prompt.question + answer[:-1]
             answer_ids = torch.tensor(answer, device=model.device)
-            r1_max_abs = None
+            r1_max_abs, figures = None, {}
             layers = len(model.layers)
             for variant in variants:
                 ratio = variant.ratio
@@ -280,22 +277,20 @@ class Evaluator:
                 logp = logits.float().log_softmax(-1)
                 kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (A,)
                 agree = logits.argmax(-1) == answer_ids  # (A,)
-                variant.kl.append(float(kl.mean()))
-                variant.top1.append(float(agree.float().mean()))
-                variant.exact.append(float(bool(agree.all())))
-                variant.recomputed.append(ran / chunk_tokens)
-                sizes = variant.selection.keep_sizes(chunk_tokens, ratio, layers)
-                variant.layer_work.append(sum(sizes[1:]) / (chunk_tokens * (layers - 1)))
                 if ratio == 1.0:
                     r1_max_abs = float((logp - ref_logp).abs().max())
                 free = self._free_answer(prompt, answer, agree, logits, n, cache, table)
                 head = answer[:GREEDY_TOKENS]
-                variant.greedy8.append(sum(a == b for a, b in zip(free, head)) / len(head))
-                if prompt.needle_answer is not None:
-                    text = model.tokenizer.decode(free) if model.tokenizer else ""
-                    variant.needle.append(float(needle_correct(text, prompt.needle_answer)))
+                text = model.tokenizer.decode(free) if model.tokenizer else ""
+                needle = None if prompt.needle_answer is None else needle_correct(text, prompt.needle_answer)
+                sizes = variant.selection.keep_sizes(chunk_tokens, ratio, layers)
+                figures[variant.name] = {
+                    "kl": float(kl.mean()), "top1": float(agree.float().mean()), "exact": float(bool(agree.all())),
+                    "greedy8": sum(a == b for a, b in zip(free, head)) / len(head),
+                    "needle": None if needle is None else float(needle),
+                    "recomputed": ran / chunk_tokens, "layer_work": sum(sizes[1:]) / (chunk_tokens * (layers - 1))}
             return {"tokens": n, "chunks": len(prompt.chunks), "answer": full_text, "answer_tokens": len(answer),
-                    "needle_full": needle_full, "r1_max_abs_logprob_diff": r1_max_abs}
+                    "needle_full": needle_full, "r1_max_abs_logprob_diff": r1_max_abs, "variants": figures}
         finally:
             cache.release(table)
 
@@ -314,40 +309,53 @@ class Evaluator:
         return tokens
 
 
-def evaluate_quality(model: LlamaModel, prompts: list[BlendPrompt], variants: list[Variant], answer_tokens: int,
-                     bar: tqdm, reference_dir: Path | None = None,
-                     on_prompt: Callable[[dict[str, Any]], None] | None = None,
-                     deadline: float | None = None) -> dict[str, Any] | None:
-    """Every prompt through every variant, in order, starting none past `deadline` (a
-    time.perf_counter() value); `on_prompt` gets the figures so far after each prompt. None if no
-    prompt ran."""
-    per_prompt = []
+def tokens_sha256(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:32]
+
+
+def evaluate_quality(model: LlamaModel, prompts: Sequence[tuple[int, BlendPrompt]], variants: list[Variant],
+                     answer_tokens: int, bar: tqdm, reference_dir: Path | None = None,
+                     on_prompt: Callable[[dict[str, Any]], None] | None = None, deadline: float | None = None,
+                     done: Sequence[dict[str, Any]] = ()) -> dict[str, Any] | None:
+    """Every (index, prompt) through every variant, in order, starting none past `deadline` (a
+    time.perf_counter() value) and none whose index has a record in `done` (an earlier run's, its
+    tokens already checked); `on_prompt` gets the figures so far after each prompt. The figures
+    are over `done` and the new records together; None if there are none."""
+    records = {r["index"]: r for r in done}
     # Room for several prompts' chunks (6k tokens of SmolLM2 KV is ~0.3 GiB); past that, older chunks
     # are evicted and computed again when a later prompt draws them. More only costs the host memory.
     with KVStore(StoreConfig(data_dir=None, cpu_bytes=1 << 30, disk_bytes=0)) as store:
         evaluator = Evaluator(model, store, answer_tokens, reference_dir)
-        for prompt in prompts:
-            if deadline is not None and time.perf_counter() > deadline:
+        for index, prompt in prompts:
+            if index not in records and deadline is not None and time.perf_counter() > deadline:
                 break
-            per_prompt.append(evaluator.evaluate(prompt, variants))
+            if index not in records:
+                started, counts = time.perf_counter(), (evaluator.chunks_computed, evaluator.references_read)
+                records[index] = {"index": index, "tokens_sha256": tokens_sha256(prompt.tokens),
+                                  **evaluator.evaluate(prompt, variants)}
+                records[index] |= {"seconds": time.perf_counter() - started,
+                                   "chunks_computed": evaluator.chunks_computed - counts[0],
+                                   "reference_read": evaluator.references_read > counts[1]}
+                if on_prompt is not None:
+                    on_prompt(quality_summary([records[i] for i in sorted(records)], variants))
             bar.update(1)
-            if on_prompt is not None:
-                on_prompt(quality_summary(per_prompt, variants, evaluator))
-        return quality_summary(per_prompt, variants, evaluator) if per_prompt else None
+    return quality_summary([records[i] for i in sorted(records)], variants) if records else None
 
 
-def quality_summary(per_prompt: list[dict[str, Any]], variants: Sequence[Variant],
-                    evaluator: Evaluator) -> dict[str, Any]:
+def quality_summary(per_prompt: list[dict[str, Any]], variants: Sequence[Variant]) -> dict[str, Any]:
     needles = [p["needle_full"] for p in per_prompt if p["needle_full"] is not None]
     r1 = [p["r1_max_abs_logprob_diff"] for p in per_prompt if p["r1_max_abs_logprob_diff"] is not None]
+    computed = sum(p["chunks_computed"] for p in per_prompt)
     return {"prompts": len(per_prompt), "mean_prompt_tokens": statistics.mean(p["tokens"] for p in per_prompt),
             "min_prompt_tokens": min(p["tokens"] for p in per_prompt),
             "max_prompt_tokens": max(p["tokens"] for p in per_prompt),
             "chunks_per_prompt": statistics.mean(p["chunks"] for p in per_prompt),
-            "chunks_computed": evaluator.chunks_computed, "chunks_reused": evaluator.chunks_reused,
+            "chunks_computed": computed, "chunks_reused": sum(p["chunks"] for p in per_prompt) - computed,
             "needle_prompts": len(needles), "needle_full": statistics.mean(needles) if needles else None,
-            "r1_max_abs_logprob_diff": max(r1) if r1 else None, "references_read": evaluator.references_read,
-            "variants": {v.name: v.summary() for v in variants}, "per_prompt": per_prompt}
+            "r1_max_abs_logprob_diff": max(r1) if r1 else None,
+            "references_read": sum(p["reference_read"] for p in per_prompt),
+            "prompt_seconds": sum(p["seconds"] for p in per_prompt),
+            "variants": {v.name: v.summary(per_prompt) for v in variants}, "per_prompt": per_prompt}
 
 
 def ttft_prompt(workload: Workload, length: int) -> BlendPrompt:
@@ -491,6 +499,18 @@ def plot(qualities: dict[str, dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Each field of `new` (this run's header) that `old` (a results file) holds otherwise, named."""
+    out = []
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            out += [f"{key}.{k}: file {old[key].get(k)!r}, this run {v!r}" for k, v in value.items()
+                    if old[key].get(k) != v]
+        elif old.get(key) != value:
+            out.append(f"{key}: file {old.get(key)!r}, this run {value!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 or a checkpoint directory with a tokenizer")
@@ -523,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-quality", action="store_true", help="TTFT only")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the host is shared)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--resume", type=Path, help="the results file (--json) to add to: its prompts are not run "
+                                                    "again; it must be of this model, workload, seed and variants")
     parser.add_argument("--plot", type=Path, help="draw quality against the recomputed fraction here (PNG); "
                                                   "with --plot-with, beside other runs' JSON")
     parser.add_argument("--plot-with", default="", help="other runs' JSON files (comma-separated) for --plot")
@@ -554,6 +576,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--no-quality: nothing left to run without --ttft-lengths")
     except ValueError as exc:
         parser.error(str(exc))
+    if args.resume and args.json and args.json != args.resume:
+        parser.error("--resume: it is the results file; give --json the same path or leave it out")
+    args.json = args.resume or args.json
+    # What a resumed file must share with this run; JSON's view of it, as the file holds it.
+    header = json.loads(json.dumps({
+        "model": args.model, "workload": {k: v for k, v in vars(config).items() if k != "prompts"},
+        "answer_tokens": args.answer_tokens, "variants": [[v.rule, v.ratio, repr(v.selection)] for v in variants]}))
+    old = json.loads(args.resume.read_text()) if args.resume and args.resume.exists() else None
+    if old is not None and (differ := header_differences(old, header)):
+        parser.error(f"--resume {args.resume}: the file's run differs from this one: {'; '.join(differ)}")
     if args.plot_only:
         if not args.plot or not args.plot_with:
             parser.error("--plot-only: needs --plot and --plot-with")
@@ -566,26 +598,31 @@ def main(argv: list[str] | None = None) -> int:
     if model.tokenizer is None:
         parser.error(f"--model: {args.model} has no tokenizer; the workload is text")
     workload = Workload(model.tokenizer, config)
-    prompts = workload.prompts()[args.skip:]
-    if args.no_quality:
-        prompts = []
-    steps = len(prompts) + len(lengths) * (1 + args.ttft_repeats)
-    # A string, not a Path: Path("") is ".", which would keep the references in the working directory.
-    reference_dir = Path(args.reference_dir) if args.reference_dir else None
     source: dict[str, Any] = {"workload": args.workload}
     if args.workload == "packages":
         from bench.blend_packages import distributions
 
         source["distributions"] = distributions()
-
+    every_prompt = workload.prompts()
+    prompts = [] if args.no_quality else list(enumerate(every_prompt))[args.skip:]
+    done = ((old or {}).get("quality") or {}).get("per_prompt", [])
+    if changed := [r["index"] for r in done if r["index"] < len(every_prompt)
+                   and r["tokens_sha256"] != tokens_sha256(every_prompt[r["index"]].tokens)]:
+        parser.error(f"--resume {args.resume}: prompts {changed} of the file have other tokens than this run's "
+                     f"(the workload's text differs: source {(old or {}).get('source')!r}, this run {source!r})")
+    steps = len(prompts) + len(lengths) * (1 + args.ttft_repeats)
+    # A string, not a Path: Path("") is ".", which would keep the references in the working directory.
+    reference_dir = Path(args.reference_dir) if args.reference_dir else None
     def save(report: dict[str, Any]) -> None:
-        if args.json:
+        if args.json:  # whole or as it was: a run stopped mid-write leaves a file that resumes
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2, default=str))
+            scratch = args.json.with_suffix(f".{os.getpid()}.tmp")
+            scratch.write_text(json.dumps(header | report, indent=2, default=str))
+            scratch.replace(args.json)
 
     def progress(q: dict[str, Any]) -> None:
         # After each prompt the figures so far are saved, marked partial: a long run stopped early keeps them.
-        save({"model": args.model, "partial": True, "source": source, "quality": q})
+        save({"partial": True, "source": source, "quality": q})
         v = q["variants"]
         line = "  ".join(f"{name} {s['kl']:.4f}/{s['greedy8'] * 8:.1f}" for name, s in v.items())
         print(f"[{q['prompts']}/{len(prompts)} {time.perf_counter() - started:.0f}s] KL/greedy8: {line}", flush=True)
@@ -593,13 +630,11 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=steps, desc="blend", unit="step", file=sys.stderr, mininterval=30) as bar:
         deadline = started + args.time_budget_s if args.time_budget_s is not None else None
         quality = evaluate_quality(model, prompts, variants, args.answer_tokens, bar, reference_dir,
-                                   on_prompt=progress, deadline=deadline) if prompts else None
+                                   on_prompt=progress, deadline=deadline, done=done) if prompts or done else None
         ttft = measure_ttft(model, workload, lengths, args.ttft_ratio, args.ttft_repeats, not args.no_sidecar,
                             bar) if lengths else None
-    report: dict[str, Any] = {"model": args.model, "source": source,
-                              "workload": vars(config) | {"doc_tokens": list(config.doc_tokens)},
-                              "skip": args.skip, "prompts_asked": len(prompts), "time_budget_s": args.time_budget_s,
-                              "targets": TARGETS, "quality": quality, "ttft": ttft,
+    report: dict[str, Any] = {"source": source, "skip": args.skip, "prompts_asked": len(prompts),
+                              "time_budget_s": args.time_budget_s, "targets": TARGETS, "quality": quality, "ttft": ttft,
                               "verdicts": verdicts(quality, ttft), "threads": torch.get_num_threads()}
     print_table(quality, ttft)
     for what, ok in report["verdicts"].items():

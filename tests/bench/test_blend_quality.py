@@ -123,3 +123,26 @@ def test_rule_beats_no_recompute_and_its_controls_on_the_real_model(workload: st
     assert r0["recomputed_fraction"] == 0 and r0["kl"] > 0  # no recompute is not a full prefill
     assert blend["kl"] <= 0.5 * r0["kl"] and blend["kl"] < random_["kl"]
     assert "rule" in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_resumed_run_equals_one_run_and_refuses_another_config(tmp_path: Path, capsys):
+    run = ["--workload", "langref", "--seed", "3", "--ratios", "0,0.15", "--rules", "rule,first",
+           "--answer-tokens", "8", "--ttft-lengths", "", *SMALL["langref"], "--reference-dir", "",
+           "--threads", str(torch.get_num_threads())]
+    whole, split = tmp_path / "whole.json", tmp_path / "split.json"
+    assert blend_quality.main([*run, "--prompts", "4", "--json", str(whole)]) == 0
+    assert blend_quality.main([*run, "--prompts", "2", "--resume", str(split)]) == 0
+    first_half = json.loads(split.read_text())["quality"]["per_prompt"]
+    assert blend_quality.main([*run, "--prompts", "4", "--resume", str(split)]) == 0
+    one, two = json.loads(whole.read_text())["quality"], json.loads(split.read_text())["quality"]
+    assert [p["index"] for p in two["per_prompt"]] == [0, 1, 2, 3] and two["per_prompt"][:2] == first_half
+    assert two["variants"] == one["variants"] and two["variants"]["rule@0.15"]["prompts"] == 4
+    assert {k: v for k, v in two.items() if k in ("needle_full", "mean_prompt_tokens", "chunks_per_prompt")} == \
+        {k: v for k, v in one.items() if k in ("needle_full", "mean_prompt_tokens", "chunks_per_prompt")}
+    capsys.readouterr()
+    for other, named in ((["--seed", "4"], "workload.seed"), (["--answer-tokens", "9"], "answer_tokens"),
+                         (["--rules", "rule,random"], "variants")):
+        with pytest.raises(SystemExit) as exit_:
+            blend_quality.main([*run, "--prompts", "4", *other, "--resume", str(split)])
+        assert exit_.value.code == 2 and named in capsys.readouterr().err
+    assert json.loads(split.read_text())["quality"] == two  # a refused run leaves the file as it was
