@@ -2,7 +2,8 @@
 
     python bench/blend_quality.py [--workload langref|packages] [--prompts 100] [--ratios 0,0.15,0.3]
                                   [--rules-at 0.3:rule] [--time-budget-s S] [--json out.json]
-                                  [--plot docs/cacheblend.png] [--ttft-lengths 2048,4096,6144]
+                                  [--resume results.json] [--plot docs/cacheblend.png]
+                                  [--ttft-lengths 2048,4096,6144]
 
 Model: SmolLM2-135M-Instruct (`--model smollm2`, float32, 30 layers). Workloads
 (bench/blend_workload.py, built from `--seed`): `langref`, sections of Python's language
@@ -32,7 +33,11 @@ of tokens per layer; `--variants` adds others by name (label:key=value,...; keys
 first_share, query_share, select_layer, narrowing as 4/2/1, score). r = 0 is the stored chunks as
 they are; r = 1 recomputes everything (exactly a full prefill). The prefix (system prompt) is exact
 in every run, as prefix reuse makes it. `--time-budget-s` starts no prompt past that many seconds:
-a run on a shared machine ends with a whole report over the prompts that fitted.
+a run on a shared machine ends with a whole report over the prompts that fitted. `--resume FILE`
+adds to a results file (written whole after each prompt): each prompt's record there (its index in
+the workload, a hash of its tokens, every variant's figures) stands, so a run stopped anywhere goes
+on where it stopped, and the figures are computed from the records, the same however the run was
+split; a file of another model, workload, seed, variant set or answer length is refused.
 
 TTFT. Prompts of `--ttft-lengths` tokens from the same documents: a full prefill against
 CacheBlend at `--ttft-ratio` with every chunk and the prefix warm, from an in-process CPU tier
@@ -442,29 +447,25 @@ def verdicts(quality: dict[str, Any] | None, ttft: list[dict[str, Any]] | None) 
 
 def print_table(quality: dict[str, Any] | None, ttft: list[dict[str, Any]] | None) -> None:
     if quality:
-        print_quality(quality)
+        print(f"{quality['prompts']} prompts, {quality['min_prompt_tokens']}-{quality['max_prompt_tokens']} tokens "
+              f"(mean {quality['mean_prompt_tokens']:.0f}), {quality['chunks_per_prompt']:.1f} chunks each; chunks "
+              f"computed {quality['chunks_computed']}, reused from the store {quality['chunks_reused']}; "
+              f"references read {quality['references_read']}")
+        needle_full = quality["needle_full"]
+        print(f"full prefill: needle accuracy {needle_full * 100:.1f}% of {quality['needle_prompts']}"
+              if needle_full is not None else "full prefill: no needle prompts")
+        r0 = quality["variants"].get("none@0")
+        print(f"{'ratio':>6} {'variant':>12} {'recomp':>7} {'work':>6} {'mean KL':>9} {'x r=0':>6} {'top-1':>7} "
+              f"{'greedy8':>7} {'exact':>6} {'needle':>7}")
+        for s in quality["variants"].values():
+            needle = "-" if s["needle"] is None else f"{s['needle'] * 100:.1f}%"
+            vs_r0 = f"{s['kl'] / r0['kl']:.3f}" if r0 and r0["kl"] else "-"
+            print(f"{s['ratio']:>6g} {s['rule']:>12} {s['recomputed_fraction']:>7.3f} {s['layer_work']:>6.3f} "
+                  f"{s['kl']:>9.4f} {vs_r0:>6} {s['top1'] * 100:>6.1f}% {s['greedy8'] * 8:>5.2f}/8 "
+                  f"{s['exact'] * 100:>5.1f}% {needle:>7}")
     for row in ttft or []:
         print(f"TTFT {row['length']:>5} tokens, {row['backend']:>7}, r = {row['ratio']:g}: "
               f"{row['ttft_s'] * 1e3:8.0f} ms = {row['ttft_vs_full']:.3f}x full ({row['full_ttft_s'] * 1e3:.0f} ms)")
-
-
-def print_quality(quality: dict[str, Any]) -> None:
-    print(f"{quality['prompts']} prompts, {quality['min_prompt_tokens']}-{quality['max_prompt_tokens']} tokens "
-          f"(mean {quality['mean_prompt_tokens']:.0f}), {quality['chunks_per_prompt']:.1f} chunks each; chunks "
-          f"computed {quality['chunks_computed']}, reused from the store {quality['chunks_reused']}; "
-          f"references read {quality['references_read']}")
-    needle_full = quality["needle_full"]
-    print(f"full prefill: needle accuracy {needle_full * 100:.1f}% of {quality['needle_prompts']}"
-          if needle_full is not None else "full prefill: no needle prompts")
-    r0 = quality["variants"].get("none@0")
-    print(f"{'ratio':>6} {'variant':>12} {'recomp':>7} {'work':>6} {'mean KL':>9} {'x r=0':>6} {'top-1':>7} "
-          f"{'greedy8':>7} {'exact':>6} {'needle':>7}")
-    for s in quality["variants"].values():
-        needle = "-" if s["needle"] is None else f"{s['needle'] * 100:.1f}%"
-        vs_r0 = f"{s['kl'] / r0['kl']:.3f}" if r0 and r0["kl"] else "-"
-        print(f"{s['ratio']:>6g} {s['rule']:>12} {s['recomputed_fraction']:>7.3f} {s['layer_work']:>6.3f} "
-              f"{s['kl']:>9.4f} {vs_r0:>6} {s['top1'] * 100:>6.1f}% {s['greedy8'] * 8:>5.2f}/8 "
-              f"{s['exact'] * 100:>5.1f}% {needle:>7}")
 
 
 def plot(qualities: dict[str, dict[str, Any]], path: Path) -> None:
@@ -497,6 +498,12 @@ def plot(qualities: dict[str, dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def plot_with(files: str) -> dict[str, dict[str, Any]]:
+    """{workload: quality} of each results file named (comma-separated)."""
+    found = [(f, json.loads(Path(f).read_text())) for f in files.split(",") if f]
+    return {data.get("source", {}).get("workload", f): data["quality"] for f, data in found}
 
 
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -589,8 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         if not args.plot or not args.plot_with:
             parser.error("--plot-only: needs --plot and --plot-with")
-        plot({json.loads(Path(f).read_text()).get("source", {}).get("workload", f):
-              json.loads(Path(f).read_text())["quality"] for f in args.plot_with.split(",") if f}, args.plot)
+        plot(plot_with(args.plot_with), args.plot)
         return 0
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -613,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = len(prompts) + len(lengths) * (1 + args.ttft_repeats)
     # A string, not a Path: Path("") is ".", which would keep the references in the working directory.
     reference_dir = Path(args.reference_dir) if args.reference_dir else None
+
     def save(report: dict[str, Any]) -> None:
         if args.json:  # whole or as it was: a run stopped mid-write leaves a file that resumes
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -642,13 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.perf_counter() - started
     print(f"torch threads {torch.get_num_threads()}; {report['elapsed_s']:.0f} s")
     save(report)
-    if args.plot:
-        qualities = {args.workload: quality} if quality else {}
-        for other in (x for x in args.plot_with.split(",") if x):
-            data = json.loads(Path(other).read_text())
-            qualities[data.get("source", {}).get("workload", other)] = data["quality"]
-        if qualities:
-            plot(qualities, args.plot)
+    if args.plot and (qualities := ({args.workload: quality} if quality else {}) | plot_with(args.plot_with)):
+        plot(qualities, args.plot)
     return 0
 
 
