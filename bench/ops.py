@@ -101,6 +101,11 @@ class Values:
     def fresh(self, i: int) -> np.ndarray:
         return self.src[i % self.count].copy()
 
+    def kvs(self, spec: ModelSpec) -> list[torch.Tensor]:
+        """Each source buffer as `spec`'s KV (L, 2, T, H, D): the same bytes, no copy."""
+        return [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(self.nbytes // spec.bytes_per_token))
+                for src in self.src]
+
     def dict_get(self, i: int) -> np.ndarray:
         return self.table[self.keys[i % self.count]].copy()
 
@@ -175,7 +180,7 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
     for spec, nbytes, count in plan:
         values = Values(nbytes, count, seed=nbytes)
         n_tokens = nbytes // spec.bytes_per_token
-        kvs = [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(n_tokens)) for src in values.src]
+        kvs = values.kvs(spec)
         prompts = [tokens.take(n_tokens) for _ in range(count)]
         for prompt, kv in zip(prompts, kvs):
             fetch_store.store(model[spec], prompt, kv)
@@ -183,8 +188,7 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
         got = fetch_store.fetch(m, prompts[0])
         if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[0]):
             raise SystemExit(f"in-process fetch of {size_name(nbytes)} did not return the stored KV")
-        into = torch.empty(nbytes, dtype=torch.uint8)
-        into.fill_(1)
+        into = torch.ones(nbytes, dtype=torch.uint8)  # faulted in
         into_np = into.numpy()
         got = fetch_store.fetch(m, prompts[0], into=into)
         if not same_bytes(into.view(torch.float16).view(spec.kv_shape(n_tokens)), kvs[0]) or \
@@ -219,7 +223,7 @@ def disk_cases(tmp: Path, tokens: TokenSource) -> tuple[list[Case], list[Any]]:
     nbytes, count, spec = 2 * MIB, 16, SPEC_512K
     n_tokens = nbytes // spec.bytes_per_token
     values = Values(nbytes, count, seed=7)
-    kvs = [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(n_tokens)) for src in values.src]
+    kvs = values.kvs(spec)
     prompts = [tokens.take(n_tokens) for _ in range(count)]
     cases, stores = [], []
     for path, cpu_bytes, how in (("disk only", 0, "disk-only store (cpu_bytes=0)"),
@@ -279,7 +283,7 @@ def sidecar_cases(fetch_url: str, store_urls: dict[int, str], tokens: TokenSourc
     for spec, nbytes, count in ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 32)):
         values = Values(nbytes, count, seed=nbytes + 1)
         n_tokens = nbytes // spec.bytes_per_token
-        kvs = [torch.from_numpy(src).view(torch.float16).view(spec.kv_shape(n_tokens)) for src in values.src]
+        kvs = values.kvs(spec)
         model = f"m{nbytes}"
         prompts = [tokens.take(n_tokens) for _ in range(count)]
         with KVStoreClient(fetch_url) as admin:
@@ -464,21 +468,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvstore: {os.path.dirname(kvstore.__file__)}", flush=True)
     torch.set_num_threads(1)
     procs: list[Sidecar | RedisServer] = []
-    closers: list[Any] = []
+    built: list[tuple[list[Case], list[Any]]] = []  # per path: its cases, and the stores or clients to close
     header = [f"kvstore in this process: {os.path.dirname(kvstore.__file__)}"]
     with tempfile.TemporaryDirectory(prefix="kvstore-ops-") as tmpdir:
         tmp = Path(tmpdir)
         try:
-            cases: list[Case] = []
             tokens = TokenSource()
-            if "in-process" in paths:
-                found, stores = in_process_cases(args.big_mib, tmp, tokens)
-                cases += found
-                closers += stores
-            if "disk" in paths:
-                found, stores = disk_cases(tmp, tokens)
-                cases += found
-                closers += stores
+            built += [in_process_cases(args.big_mib, tmp, tokens)] if "in-process" in paths else []
+            built += [disk_cases(tmp, tokens)] if "disk" in paths else []
             if "sidecar" in paths:
                 redis_port = None
                 if not args.no_redis:
@@ -496,9 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                     procs.append(start_sidecar(tmp / f"sidecar-store-{nbytes}", 64 * MIB))
                     store_urls[nbytes] = procs[-1].url
                 header.append(f"kvstore in the sidecars: {os.path.dirname(where)}")
-                found, clients = sidecar_cases(fetch_url, store_urls, tokens, redis_port)
-                cases += found
-                closers += clients
+                built.append(sidecar_cases(fetch_url, store_urls, tokens, redis_port))
+            cases = [case for found, _ in built for case in found]
             settle_collector()
             samples: list[dict[str, list[float]]] = [{} for _ in cases]
             counters: list[dict[str, int]] = [{} for _ in cases]
@@ -513,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                 if case.check is not None:
                     row["note"] = case.check()
         finally:
-            close_all(closers, procs)
+            close_all([closer for _, opened in built for closer in opened], procs)
     print("\n".join(header))
     print(f"{rounds} interleaved rounds of {seconds:g} s per case; speed vs memcpy = memcpy time / op time, "
           "cost vs dict (or redis-py) = op time / baseline time, p50s")
