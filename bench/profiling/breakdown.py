@@ -30,7 +30,7 @@ from kvstore import KVStore, StoreConfig  # noqa: E402
 from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes,  # noqa: E402
                        size_name, start_sidecar)
 from bench.engines import run_on_site  # noqa: E402
-from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 from bench.timing import settle_collector  # noqa: E402
 
 SIZES = ((SPEC_64K, 64 * KIB, 64), (SPEC_512K, 2 * MIB, 16))  # (spec, value bytes, prestored values)
@@ -381,44 +381,34 @@ def tables(runs: list[tuple[str, dict[str, Any]]]) -> str:
         names = [n for n in runs[0][1]["cases"] if n.startswith(group + " ")]
         if not names:
             continue
-        categories: dict[str, float] = {}
-        for _, run in runs:
-            for n in names:
-                for c, us in run["cases"].get(n, {}).get("categories_us", {}).items():
-                    categories[c] = categories.get(c, 0.0) + us
+        cases = [case for _, run in runs for n in names for case in [run["cases"].get(n, {})] if case]
+
+        def share(case: dict, categories: list[str]) -> float | None:  # None: the run lacks the case
+            return sum(case.get("categories_us", {}).get(c, 0.0) for c in categories) if case else None
+
+        totals: dict[str, float] = {}
+        for case in cases:
+            for c, us in case.get("categories_us", {}).items():
+                totals[c] = totals.get(c, 0.0) + us
         # Categories under 3% of every call they appear in fold into one row, so the tables stay readable.
-        def major(c: str) -> bool:
-            return any(case.get("categories_us", {}).get(c, 0.0) >= MAJOR_SHARE * case["p50_us"]
-                       for _, run in runs for n in names for case in [run["cases"].get(n, {})] if case)
+        order = sorted((c for c in totals if any(share(case, [c]) >= MAJOR_SHARE * case["p50_us"] for case in cases)),
+                       key=lambda c: -totals[c])
+        minor = [c for c in totals if c not in order]
 
-        order = sorted((c for c in categories if major(c)), key=lambda c: -categories[c])
-        minor = [c for c in categories if c not in order]
+        def row(label: str, get: Callable[[dict], float | None]) -> list[str]:
+            return [label] + [" / ".join("–" if v is None else f"{v:,.1f}" for v in
+                                         (get(run["cases"].get(n, {})) for _, run in runs)) for n in names]
+
+        rows = [row("**p50, unprofiled**", lambda case: case.get("p50_us"))]
+        rows += [row(c, lambda case, c=c: share(case, [c])) for c in order]
+        rows += [row(f"smaller categories ({len(minor)})", lambda case: share(case, minor))] if minor else []
+        if any("after_answer_us" in case for case in cases):
+            rows.append(row("*sidecar, after the answer (policy learning, overlaps the next request; not in p50)*",
+                            lambda case: case.get("after_answer_us")))
+        rows.append(row("profiled call (inflation)", lambda case: case.get("profiled_us")))
         labels = " / ".join(label for label, _ in runs)
-        head = [n[len(group) + 1:] for n in names]
-        out.append(f"**{group}** (µs per call{', ' + labels if len(runs) > 1 else ''})\n")
-        out.append("| category | " + " | ".join(head) + " |")
-        out.append("|---|" + "---|" * len(head))
-
-        def cell(n: str, get: Callable[[dict], float | None]) -> str:
-            vals = [get(run["cases"].get(n, {})) for _, run in runs]
-            return " / ".join("–" if v is None else f"{v:,.1f}" for v in vals)
-
-        out.append("| **p50, unprofiled** | " + " | ".join(
-            cell(n, lambda case: case.get("p50_us")) for n in names) + " |")
-        for c in order:
-            out.append(f"| {c} | " + " | ".join(
-                cell(n, lambda case, c=c: case.get("categories_us", {}).get(c, 0.0) if case else None)
-                for n in names) + " |")
-        if minor:
-            out.append(f"| smaller categories ({len(minor)}) | " + " | ".join(
-                cell(n, lambda case: sum(case.get("categories_us", {}).get(c, 0.0) for c in minor) if case else None)
-                for n in names) + " |")
-        if any("after_answer_us" in run["cases"].get(n, {}) for _, run in runs for n in names):
-            out.append("| *sidecar, after the answer (policy learning, overlaps the next request; not in p50)* | "
-                       + " | ".join(cell(n, lambda case: case.get("after_answer_us")) for n in names) + " |")
-        out.append("| profiled call (inflation) | " + " | ".join(
-            cell(n, lambda case: case.get("profiled_us")) for n in names) + " |")
-        out.append("")
+        out += [f"**{group}** (µs per call{', ' + labels if len(runs) > 1 else ''})\n",
+                markdown_table(["category", *(n[len(group) + 1:] for n in names)], rows), ""]
     return "\n".join(out)
 
 
