@@ -34,6 +34,7 @@ computes and stores it and answers as its own miss, and a later audited hit on i
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,19 @@ def real_text(model: LlamaModel, max_chars: int | None = None) -> list[int]:
 
     assert model.tokenizer is not None
     return model.tokenizer.encode("\n\n".join(topics[k].strip() for k in sorted(topics))[:max_chars])
+
+
+def text_piece(text: list[int], rng: random.Random, low: int, high: int) -> list[int]:
+    """A run of `low`..`high` tokens (both included) from a random place in `text`."""
+    n = rng.randrange(low, high + 1)
+    at = rng.randrange(0, len(text) - n)
+    return text[at:at + n]
+
+
+def scenario(dtype: str, model: LlamaModel | None, seed: int) -> tuple[LlamaModel, list[int], random.Random]:
+    """A run's model (the one given, or the real one loaded in `dtype`), its text and its seeded draws."""
+    model = model or real_model(dtype)
+    return model, real_text(model), random.Random(seed)
 
 
 def new_store() -> KVStore:
@@ -216,12 +230,11 @@ def run_fault(model: LlamaModel, text: list[int], fault: str, where: str, rng: r
 
 
 def run_faults(dtype: str, *, faults: tuple[str, ...] = FAULTS, where: tuple[str, ...] = WHERE, seed: int = 40,
-               model: LlamaModel | None = None) -> list[FaultCase]:
-    model = model or real_model(dtype)
-    text = real_text(model)
-    rng = random.Random(seed)
+               model: LlamaModel | None = None, one: Callable[..., FaultCase] = run_fault) -> list[FaultCase]:
+    """Each fault in each place, by `one` (run_fault: prefix hits; run_chunk_fault: chunks)."""
+    model, text, rng = scenario(dtype, model, seed)
     # Other weights change every page alike: there is no "earlier page" to place it in.
-    return [run_fault(model, text, fault, w, rng) for fault in faults for w in where
+    return [one(model, text, fault, w, rng) for fault in faults for w in where
             if not (fault == "weights-1.01" and w != WHERE[0])]
 
 
@@ -234,6 +247,12 @@ class CleanReport:
     tolerance: float = 0.0
     worst: list[float] = field(default_factory=list)  # per hit: the largest deviation over layers and K/V
     seconds: float = 0.0
+
+    def add(self, outcome: Any) -> None:
+        """Count one audit's outcome (anything with `passed` and `worst`)."""
+        self.hits += 1
+        self.failures += not outcome.passed
+        self.worst.append(outcome.worst)
 
     @property
     def worst_in_eps(self) -> float:
@@ -248,9 +267,7 @@ def run_clean(dtype: str, hits: int, *, path: str = "in-process", documents: int
     them (any length past a page) followed by a few tokens from elsewhere."""
     from contextlib import ExitStack
 
-    model = model or real_model(dtype)
-    text = real_text(model)
-    rng = random.Random(seed)
+    model, text, rng = scenario(dtype, model, seed)
     report = CleanReport(path, dtype, tolerance=tolerance_for(model.dtype))
     began = time.perf_counter()
     with ExitStack() as stack:
@@ -277,9 +294,7 @@ def run_clean(dtype: str, hits: int, *, path: str = "in-process", documents: int
             result = generate(model, prompt, 1, backend=backend, audit_rate=1.0, store=False)
             if result.audit is None:
                 continue  # a match shorter than a page past the prompt's last token: nothing to audit
-            report.hits += 1
-            report.failures += not result.audit.passed
-            report.worst.append(result.audit.worst)
+            report.add(result.audit)
             if progress is not None:
                 progress(report.hits)
         _check_counted(backend, model.name, report.hits)
@@ -336,11 +351,7 @@ def run_chunk_fault(model: LlamaModel, text: list[int], fault: str, where: str, 
 
 def run_chunk_faults(dtype: str, *, faults: tuple[str, ...] = CHUNK_FAULTS, where: tuple[str, ...] = WHERE,
                      seed: int = 60, model: LlamaModel | None = None) -> list[FaultCase]:
-    model = model or real_model(dtype)
-    text = real_text(model)
-    rng = random.Random(seed)
-    return [run_chunk_fault(model, text, fault, w, rng) for fault in faults for w in where
-            if not (fault == "weights-1.01" and w != WHERE[0])]
+    return run_faults(dtype, faults=faults, where=where, seed=seed, model=model, one=run_chunk_fault)
 
 
 def run_chunk_clean(dtype: str, audits: int, *, pool: int = 12, seed: int = 61, model: LlamaModel | None = None,
@@ -348,17 +359,11 @@ def run_chunk_clean(dtype: str, audits: int, *, pool: int = 12, seed: int = 61, 
     """At least `audits` chunk audits of real text: `pool` chunks of 17-300 tokens stored once,
     then requests of a 0-40-token prefix, 1-3 of them in random order and a 1-11-token question,
     each blended with `audit_rate=1` (every chunk of a page or more is audited)."""
-    model = model or real_model(dtype)
-    text = real_text(model)
-    rng = random.Random(seed)
+    model, text, rng = scenario(dtype, model, seed)
     report = CleanReport("in-process, chunks", dtype, tolerance=tolerance_for(model.dtype))
     began = time.perf_counter()
 
-    def piece(low: int, high: int) -> list[int]:
-        n = rng.randrange(low, high + 1)
-        at = rng.randrange(0, len(text) - n)
-        return text[at:at + n]
-
+    piece = functools.partial(text_piece, text, rng)
     with new_store() as store:
         store.register_model(model.name, model.spec)
         chunks = [piece(17, 300) for _ in range(pool)]
@@ -370,9 +375,7 @@ def run_chunk_clean(dtype: str, audits: int, *, pool: int = 12, seed: int = 61, 
                             audit_rate=1.0, store=False)
             assert result.chunk_hits == [True] * len(picked), "a stored chunk missed"
             for outcome in result.chunk_audits:
-                report.hits += 1
-                report.failures += not outcome.passed
-                report.worst.append(outcome.worst)
+                report.add(outcome)
             if progress is not None:
                 progress(report.hits)
         _check_counted(store, model.name, report.hits)
@@ -387,18 +390,13 @@ def run_chunk_positions(dtype: str, positions: tuple[int, ...] = (1000, 3000, 70
     as the decode loop receives it) and audited there directly, without prefilling a prefix."""
     from kvstore.decode.chunk_audit import audit_chunk
 
-    model = model or real_model(dtype)
-    text = real_text(model)
-    rng = random.Random(seed)
+    model, text, rng = scenario(dtype, model, seed)
     reports = {}
     with new_store() as store:
         store.register_model(model.name, model.spec)
-        chunks = []
-        for _ in range(pool):
-            n = rng.randrange(17, 301)
-            at = rng.randrange(0, len(text) - n)
-            chunks.append(text[at:at + n])
-            store.store_chunk(model.name, chunks[-1], full_kv(model, chunks[-1]))
+        chunks = [text_piece(text, rng, 17, 300) for _ in range(pool)]
+        for chunk in chunks:
+            store.store_chunk(model.name, chunk, full_kv(model, chunk))
         cache = model.new_cache(max(map(len, chunks)))
         for position in positions:
             report = reports[position] = CleanReport(f"at position {position}", dtype,
@@ -406,10 +404,7 @@ def run_chunk_positions(dtype: str, positions: tuple[int, ...] = (1000, 3000, 70
             began = time.perf_counter()
             for chunk in chunks:
                 kv = torch.as_tensor(store.blend(model.name, [chunk], start_pos=position).kv)
-                outcome = audit_chunk(model, chunk, kv, position, cache)
-                report.hits += 1
-                report.failures += not outcome.passed
-                report.worst.append(outcome.worst)
+                report.add(audit_chunk(model, chunk, kv, position, cache))
             report.seconds = time.perf_counter() - began
     return reports
 
@@ -439,9 +434,9 @@ def _print_clean(clean: CleanReport) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from bench.report import parser as bench_parser
 
-    parser = argparse.ArgumentParser(description="Audited reuse on the real model: clean hits, then faults.")
+    parser = bench_parser(__doc__, with_json=False)
     parser.add_argument("--chunks", action="store_true", help="audit CacheBlend chunk hits instead of prefix hits")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hits", type=int, default=100, help="clean audited hits (chunk audits with --chunks)")
