@@ -381,6 +381,20 @@ def run_round(case: Case, seconds: float, samples: dict[str, list[float]], count
         blocks += 1
 
 
+def run_rounds(cases: list[Case], rounds: int, seconds: float, desc: str) -> list[dict[str, list[float]]]:
+    """Each case's samples (subject -> ns per call) from `rounds` rounds of every case in turn
+    (the case order rotates per round too)."""
+    samples: list[dict[str, list[float]]] = [{} for _ in cases]
+    counters: list[dict[str, int]] = [{} for _ in cases]
+    with tqdm(total=rounds * len(cases), desc=desc, unit="case", file=sys.stderr) as bar:
+        for r in range(rounds):
+            for k in range(len(cases)):
+                c = (k + r) % len(cases)
+                run_round(cases[c], seconds, samples[c], counters[c])
+                bar.update()
+    return samples
+
+
 def summarize(case: Case, samples: dict[str, list[float]]) -> dict[str, Any]:
     def pct(name: str, q: float) -> float:
         return float(np.percentile(np.array(samples[name]) / 1e3, q))
@@ -496,15 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                 built.append(sidecar_cases(fetch_url, store_urls, tokens, redis_port))
             cases = [case for found, _ in built for case in found]
             settle_collector()
-            samples: list[dict[str, list[float]]] = [{} for _ in cases]
-            counters: list[dict[str, int]] = [{} for _ in cases]
-            with tqdm(total=rounds * len(cases), desc="bench/ops", unit="case", file=sys.stderr) as bar:
-                for r in range(rounds):
-                    for k in range(len(cases)):
-                        c = (k + r) % len(cases)  # the case order rotates too
-                        run_round(cases[c], seconds, samples[c], counters[c])
-                        bar.update()
-            rows = [summarize(case, s) for case, s in zip(cases, samples)]
+            rows = [summarize(case, s) for case, s in zip(cases, run_rounds(cases, rounds, seconds, "bench/ops"))]
             for case, row in zip(cases, rows):
                 if case.check is not None:
                     row["note"] = case.check()

@@ -23,10 +23,9 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # after PYTHONPATH: a
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-from bench.ops import KIB, SPEC_64K, Case, TokenSource, Values, run_round  # noqa: E402
-from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.ops import KIB, SPEC_64K, Case, TokenSource, Values, run_rounds  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 from bench.timing import settle_collector  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
 
@@ -132,7 +131,7 @@ def floor_cases(tokens: TokenSource) -> tuple[list[FloorCase], list[tuple[str, A
     n_tokens = nbytes // spec.bytes_per_token
     shape = spec.kv_shape(n_tokens)
     values = Values(nbytes, count, seed=nbytes)
-    kvs = [torch.from_numpy(src).view(torch.float16).view(shape) for src in values.src]
+    kvs = values.kvs(spec)
     prompts = [tokens.take(n_tokens) for _ in range(count)]
     floor = FloorStore(n_tokens, tuple(shape), capacity=1024)
     store = KVStore(StoreConfig(data_dir=None, disk_bytes=0, cpu_bytes=64 << 20))
@@ -207,32 +206,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     cases, steps = floor_cases(TokenSource())
     settle_collector()
-    samples: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
-    counters: dict[str, dict[str, int]] = {c.name: {} for c in cases}
-    for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
-        for case in cases:
-            run_round(case, args.seconds, samples[case.name], counters[case.name])
     rows = []
-    print("| op | bytes | kvstore p50 µs | floor p50 µs | dict p50 µs | kvstore vs dict | floor vs dict |")
-    print("|---|---|---|---|---|---|---|")
-    for case in cases:
-        p50 = {name: float(np.percentile(np.array(s) / 1e3, 50)) for name, s in samples[case.name].items()}
-        row = {"op": case.op, "bytes": case.nbytes, "kvstore_us": p50["op"], "floor_us": p50["floor"],
-               "dict_us": p50["dict"], "kvstore_vs_dict": p50["op"] / p50["dict"],
-               "floor_vs_dict": p50["floor"] / p50["dict"]}
-        rows.append(row)
-        print(f"| {case.op} | 64 KiB | {p50['op']:.1f} | {p50['floor']:.1f} | {p50['dict']:.1f} | "
-              f"{row['kvstore_vs_dict']:.1f}× | {row['floor_vs_dict']:.1f}× |")
-    print()
-    print("| the floor's fetch, step by step (timeit, best of 7) | µs |")
-    print("|---|---|")
-    timed = []
-    for name, fn in steps:
-        number = max(1, round(20_000 * args.step_scale))
-        us = min(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
-        timed.append({"step": name, "us": us})
-        print(f"| {name} | {us:.2f} |")
-    print(f"| sum | {sum(t['us'] for t in timed):.2f} |")
+    for case, samples in zip(cases, run_rounds(cases, args.rounds, args.seconds, "rounds")):
+        p50 = {name: float(np.percentile(np.array(s) / 1e3, 50)) for name, s in samples.items()}
+        rows.append({"op": case.op, "bytes": case.nbytes, "kvstore_us": p50["op"], "floor_us": p50["floor"],
+                     "dict_us": p50["dict"], "kvstore_vs_dict": p50["op"] / p50["dict"],
+                     "floor_vs_dict": p50["floor"] / p50["dict"]})
+    print(markdown_table(["op", "bytes", "kvstore p50 µs", "floor p50 µs", "dict p50 µs", "kvstore vs dict",
+                          "floor vs dict"],
+                         ([r["op"], "64 KiB", f"{r['kvstore_us']:.1f}", f"{r['floor_us']:.1f}", f"{r['dict_us']:.1f}",
+                           f"{r['kvstore_vs_dict']:.1f}×", f"{r['floor_vs_dict']:.1f}×"] for r in rows)))
+    number = max(1, round(20_000 * args.step_scale))
+    timed = [{"step": name, "us": min(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6}
+             for name, fn in steps]
+    print("\n" + markdown_table(["the floor's fetch, step by step (timeit, best of 7)", "µs"],
+                                [[t["step"], f"{t['us']:.2f}"] for t in timed]
+                                + [["sum", f"{sum(t['us'] for t in timed):.2f}"]]))
     write_json(args.json, {"cases": rows, "floor_fetch_steps": timed})
     return 0
 
