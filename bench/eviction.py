@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvstore.config import StoreConfig
 
-from bench.report import parser as bench_parser, pyplot, write_json
+from bench.report import markdown_table, parser as bench_parser, pyplot, write_json
 from bench.research.belady import BeladyPolicy
 from bench.research.policies import BENCH_POLICIES
 from bench.research.replay import CompiledTrace, NextUse, ReplayResult, compile_trace, replay
@@ -65,8 +65,7 @@ def summary_table(results: list[dict], policies: list[str]) -> str:
         by_cap.setdefault(r["capacity_blocks"], {})[r["policy"]] = r["hit_ratio"]
         fraction[r["capacity_blocks"]] = r["capacity_fraction"]
     gap = "lru" in policies and BELADY in policies and DEFAULT_POLICY in policies
-    head = "| capacity | " + " | ".join(policies) + (f" | {DEFAULT_POLICY} / lru | gap closed |" if gap else " |")
-    lines = [head, "|" + "---|" * (len(policies) + 1 + 2 * gap)]
+    lines = []
     for cap in sorted(by_cap):
         row = by_cap[cap]
         cells = [f"{row[p]:.4f}" if p in row else "" for p in policies]
@@ -74,8 +73,8 @@ def summary_table(results: list[dict], policies: list[str]) -> str:
             lru, best, ours = row["lru"], row[BELADY], row[DEFAULT_POLICY]
             cells.append(f"{ours / lru:.3f}×" if lru else "")
             cells.append(f"{(ours - lru) / (best - lru):.0%}" if best > lru else "")
-        lines.append(f"| {fraction[cap]:.1%} ({cap} blocks) | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append([f"{fraction[cap]:.1%} ({cap} blocks)", *cells])
+    return markdown_table(["capacity", *policies, *([f"{DEFAULT_POLICY} / lru", "gap closed"] if gap else [])], lines)
 
 
 def plot(results: list[dict], path: str, title: str) -> None:

@@ -18,7 +18,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 from bench.timing import per_call_us  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 
@@ -61,12 +61,10 @@ def main() -> int:
     rows = {size: measure(size, args.calls, args.repeat, rng) for size in tqdm(sizes, desc="sizes")}
     first = rows[sizes[0]]
     print(f"kvstore from {os.path.dirname(sys.modules['kvstore'].__file__)}")
-    print("| prompts stored (all BOS-led) | lookup miss µs | lookup, 20-token hit µs | store of a new prompt µs |")
-    print("|---|---|---|---|")
-    for size, row in rows.items():
-        cells = [f"{row[k]:.1f} ({row[k] / first[k]:.2f}×)" for k in
-                 ("lookup_miss_us", "lookup_partial_hit_us", "store_new_prompt_us")]
-        print(f"| {size:,} | " + " | ".join(cells) + " |")
+    print(markdown_table(["prompts stored (all BOS-led)", "lookup miss µs", "lookup, 20-token hit µs",
+                          "store of a new prompt µs"],
+                         ([f"{size:,}", *(f"{row[k]:.1f} ({row[k] / first[k]:.2f}×)" for k in first)]
+                          for size, row in rows.items())))
     write_json(args.json, {"sizes": sizes, "rows": {str(k): v for k, v in rows.items()}})
     return 0
 
