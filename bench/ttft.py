@@ -21,9 +21,10 @@ from tqdm import tqdm
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
-from bench.engines import Sidecar  # noqa: E402
+from bench.engines import Sidecar, serve_args  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
 from kvstore.decode import LlamaArch, LlamaModel, generate, load_model, tiny_model  # noqa: E402
+from kvstore.api.client import KVStoreClient  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
@@ -159,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="1024,2048,4096,8000", help="comma-separated prompt lengths")
     parser.add_argument("--repeats", type=int, default=3, help="runs per hit measurement (best of)")
     parser.add_argument("--full-repeats", type=int, default=2, help="runs per full-prefill measurement (best of)")
-    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--server", help="use this sidecar instead of starting `kvstore serve`")
-    parser.add_argument("--no-sidecar", action="store_true", help="in-process tiers only")
     parser.add_argument("--no-break-even", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
@@ -169,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = (tiny_model(arch=RANDOM_ARCH, page_size=args.page_size, name="bench-ttft-random")
-             if args.model == "random" else load_model(args.model, page_size=args.page_size))
+    model = tiny_model(arch=RANDOM_ARCH, name="bench-ttft-random") if args.model == "random" else load_model(args.model)
     arch = model.arch
     prompts = Prompts(model, torch.Generator().manual_seed(0))
     started = time.perf_counter()
@@ -181,13 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             "disk": stack.enter_context(KVStore(StoreConfig(data_dir=str(tmp / "disk"), cpu_bytes=0,
                                                             disk_bytes=4 << 30))),
         }
-        if not args.no_sidecar:
-            from kvstore.api.client import KVStoreClient
-
-            url = args.server
-            if url is None:
-                url = stack.enter_context(Sidecar(tmp / "sidecar", ["--cpu-bytes", "2GiB", "--disk-bytes", "0"])).url
-            backends["sidecar"] = stack.enter_context(KVStoreClient(url))
+        url = args.server or stack.enter_context(Sidecar(tmp / "sidecar", serve_args("2GiB"))).url
+        backends["sidecar"] = stack.enter_context(KVStoreClient(url))
         for backend in backends.values():  # warm up torch, connections and registration
             warm = prompts.take(64)
             generate(model, warm, 1, backend=backend)
