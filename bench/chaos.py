@@ -22,7 +22,7 @@ from bench.reliability.corruption import run_flips, run_page_damage, run_payload
 from bench.reliability.crash import run_crash  # noqa: E402
 from bench.reliability.full_disk import run_full_disk  # noqa: E402
 from bench.reliability.load import run_load  # noqa: E402
-from bench.report import parser as bench_parser, write_json  # noqa: E402
+from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 
 if TYPE_CHECKING:  # the audit's modules load torch and the model: only when it runs
     from bench.reliability.audit import FaultCase
@@ -194,9 +194,7 @@ def _concurrency_result(r: ConcurrencyReport) -> str:
 
 
 def _print(rows: list[tuple[str, str]], reports: dict[str, object], json_path: str | None) -> None:
-    print("| scenario | result | command |\n|---|---|---|")
-    for name, result in rows:
-        print(f"| {name} | {result} | `python bench/chaos.py` |")
+    print(markdown_table(["scenario", "result", "command"], ([*row, "`python bench/chaos.py`"] for row in rows)))
     write_json(json_path, {k: {f: v for f, v in dataclasses.asdict(r).items() if f != "latencies_s"}  # type: ignore[call-overload]
                            for k, r in reports.items()})
 

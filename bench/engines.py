@@ -148,8 +148,6 @@ def _readline(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return box[0] if box else ""
 
 
-
-
 # -- redis-server --------------------------------------------------------------------------------
 
 class RedisServer:
