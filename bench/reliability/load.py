@@ -16,7 +16,7 @@ import torch
 
 from kvstore.api.client import KVStoreClient
 from bench.reliability.pages import expected_kv
-from bench.engines import Sidecar
+from bench.engines import Sidecar, serve_args
 from kvstore import ModelSpec
 from kvstore.errors import BackendUnavailable, KVStoreError
 
@@ -27,6 +27,7 @@ CPU_BYTES = 512 << 20
 BODY_TIMEOUT_S = 2.0
 CUT_OFF_SLACK_S = 6.0  # see _slow_client
 MAX_CONNECTIONS = 64
+REPORT_LOCK = threading.Lock()  # the client threads add their counts to one report
 
 
 @dataclass
@@ -57,10 +58,8 @@ class LoadReport:
 def run_load(work: Path, *, clients: int = 32, duration_s: float = 60.0, slow_clients: int = 4,
              seed: int = 0) -> LoadReport:
     report = LoadReport(clients)
-    sidecar = Sidecar(work / "data", ["--cpu-bytes", f"{CPU_BYTES >> 20}MiB", "--disk-bytes", "2GiB",
-                                      "--body-timeout-s", str(BODY_TIMEOUT_S),
-                                      "--max-connections", str(MAX_CONNECTIONS),
-                                      "--max-body-bytes", "64MiB", "--log-level", "warning"]).start()
+    sidecar = Sidecar(work / "data", [*serve_args(CPU_BYTES, "2GiB"), "--body-timeout-s", str(BODY_TIMEOUT_S),
+                                      "--max-connections", str(MAX_CONNECTIONS), "--max-body-bytes", "64MiB"]).start()
     try:
         with KVStoreClient(sidecar.url) as admin:
             for name, spec in MODELS.items():
@@ -121,7 +120,7 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, report: Load
                 errors += exc.status >= 500
             lat[op].append(time.perf_counter() - began)
             requests += 1
-    with threading.Lock():
+    with REPORT_LOCK:
         report.requests += requests
         report.server_errors += errors
         report.wrong_bytes += wrong
