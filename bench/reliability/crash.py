@@ -15,7 +15,7 @@ import torch
 
 from kvstore.api.client import KVStoreClient
 from bench.reliability.pages import SPEC, expected_kv
-from bench.engines import Sidecar
+from bench.engines import Sidecar, serve_args
 from kvstore.errors import BackendUnavailable, KVStoreError
 
 
@@ -49,8 +49,7 @@ def run_crash(data_dir: Path, *, rounds: int, durability: str, load_s: float = 0
               seed: int = 0, sample_old: int = 40) -> CrashReport:
     rng = random.Random(seed)
     report = CrashReport(durability)
-    args = ["--durability", durability, "--cpu-bytes", "8MiB", "--disk-bytes", "256MiB"]
-    sidecar = Sidecar(data_dir, args)
+    sidecar = Sidecar(data_dir, [*serve_args("8MiB", "256MiB"), "--durability", durability])
     history: list[list[int]] = []  # every sequence acknowledged in earlier rounds
     previous = _Load()
     for rnd in range(rounds + 1):  # the last start only checks the last round

@@ -17,7 +17,7 @@ import torch
 
 from kvstore.api.client import KVStoreClient
 from bench.reliability.pages import SPEC, expected_kv
-from bench.engines import Sidecar
+from bench.engines import Sidecar, serve_args
 from kvstore.errors import InsufficientStorage, KVStoreError
 
 TMPFS_BYTES = 8 << 20
@@ -57,9 +57,7 @@ def run_full_disk(work: Path, *, sequences: int = 800, durability: str = "write-
     with small_filesystem(mount) as mounted:
         report.filesystem = f"tmpfs {TMPFS_BYTES >> 20} MiB" if mounted else "disk_bytes 1 MiB (no mount)"
         disk_bytes = "256MiB" if mounted else "1MiB"
-        sidecar = Sidecar(mount / "data", ["--cpu-bytes", "1MiB", "--disk-bytes", disk_bytes,
-                                           "--durability", durability])
-        sidecar.start()
+        sidecar = Sidecar(mount / "data", [*serve_args("1MiB", disk_bytes), "--durability", durability]).start()
         try:
             with KVStoreClient(sidecar.url, timeout_s=60) as client:
                 client.register_model("m", SPEC)
