@@ -12,6 +12,7 @@ import random
 import threading
 import time
 import traceback
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,14 +209,10 @@ def run_in_process(data_dir: Path, *, ops: int, capacity: str, threads: int = 8,
                    read_your_writes=capacity == "nothing evicted")
 
 
-def _clients(url: str, clients: int) -> list[KVStoreClient]:
-    """Half over shared memory, half over TCP."""
-    return [KVStoreClient(url, timeout_s=30, shared_memory_bytes=None if i % 2 == 0 else 0) for i in range(clients)]
-
-
 def run_sidecar(data_dir: Path, *, ops: int, capacity: str, clients: int = 8, seed: int = 0,
                 p_drop: float = 0.0002) -> ConcurrencyReport:
-    """`clients` clients, each on its own thread, against one `kvstore serve`."""
+    """`clients` clients, each on its own thread, against one `kvstore serve`: half over shared
+    memory, half over TCP."""
     began = time.perf_counter()
     universe = Universe(seed=seed)
     sidecar = Sidecar(data_dir, serve_args(*CAPACITIES[capacity])).start()
@@ -223,12 +220,10 @@ def run_sidecar(data_dir: Path, *, ops: int, capacity: str, clients: int = 8, se
         with KVStoreClient(sidecar.url, timeout_s=30) as admin:
             for name in universe.models:
                 admin.register_model(name, SPEC)
-            backends = _clients(sidecar.url, clients)
-            try:
+            with ExitStack() as opened:
+                backends = [opened.enter_context(KVStoreClient(sidecar.url, timeout_s=30, shared_memory_bytes=None
+                                                               if i % 2 == 0 else 0)) for i in range(clients)]
                 logs, errors = _run_workers(backends, universe, ops, seed, p_drop)
-            finally:
-                for client in backends:
-                    client.close()
             stats = admin.stats()
     finally:
         sidecar.stop()
