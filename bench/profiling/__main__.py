@@ -1,22 +1,11 @@
-"""Where a store operation's time goes: kvstore's profiling tool, one subcommand per question.
+"""Where a store operation's time goes: kvstore's profiling tool, one subcommand per question
+(`python -m bench.profiling SUBCOMMAND --help` says what each measures and where the doc reads it).
 
-    python -m bench.profiling breakdown [--quick] [--paths in-process,sidecar] [--json FILE]
-    python -m bench.profiling instructions [--cases ...] [--before-site OLD_SITE]
+    python -m bench.profiling breakdown [--quick] [--paths in-process,sidecar] [--json FILE] [--before-site DIR]
+    python -m bench.profiling instructions [--before-site OLD_SITE]
     python -m bench.profiling floor [--rounds 5] [--seconds 0.4] [--json FILE]
     python -m bench.profiling body-depth
     python -m bench.profiling lmdb-checks [--gib 1]
-
-- breakdown: cProfile's self times of one-page and four-page stores and fetches, in-process and
-  through the sidecar, grouped into categories and scaled to each case's unprofiled p50;
-- instructions: instructions per operation under valgrind (callgrind), besides the copy of the
-  bytes: a fixed cost that a shared machine's noise cannot move;
-- floor: the cheapest one-page store and fetch CPython allows with a store's basic guarantees,
-  beside kvstore's and bench/ops.py's dict baseline, in one interleaved run;
-- body-depth: what refusing deeply nested request bodies costs a normal body's decode;
-- lmdb-checks: what proving LMDB reads stay inside data.mdb costs, at start and per read.
-
-`breakdown` and `instructions` take `--before-site DIR` (an importable copy of older code) to
-compare two versions in one run. docs/performance.md and docs/reliability.md read their output.
 """
 from __future__ import annotations
 

@@ -1,35 +1,10 @@
-"""Audited reuse on the real model (SmolLM2-135M-Instruct): faults it must catch, clean hits it must pass.
-
-`run_faults`: each fault puts wrong KV under a prompt's key in a fresh store, the way users have
-met it, then a request that extends the prompt runs with `audit_rate=1`:
-
-    slot-bytes      random bytes written over part of a CPU-tier slot, behind the store's back
-    weights-1.01    pages stored under the model's name by a checkpoint with one layer's weights x 1.01
-    k-no-rope       K stored without its rotary embedding
-    k-wrong-pos     K rotated for the wrong positions (shifted by `shift` tokens)
-    heads-permuted  the layout written with its KV heads in the wrong order (a scatter's bug)
-    pages-swapped   two pages of the sequence written in each other's place (blocks in the wrong order)
-    collision       a page of another prompt served under this prompt's key (a hash collision)
-
-Each fault is placed either in the page the audit withholds ("audited page") or in an earlier page
-of the matched prefix ("earlier page", which reaches the audited page only through attention).
-A case passes when the first audited hit fails its audit, the store drops the path, the audited
-request answers with exactly the tokens of its own full prefill, and the next request (audited
-again) passes and answers as its own full prefill.
-
-`run_clean`: many audited hits of real text on correct pages (in-process or through a sidecar),
-recording every deviation: the tolerance's measurement and the false-alarm count.
-
-CacheBlend chunks (decode/chunk_audit.py): `run_chunk_clean` blends stored chunks of real text
-at ever other positions with `audit_rate=1` and records every chunk audit; `run_chunk_faults`
-plants each fault in a chunk stored with store_chunk (in the page the audit recomputes, the
-chunk's last full page, or an earlier one) and blends it after a prefix. A case passes when the
-first audited blend fails the chunk's audit, the store no longer holds the chunk, that request
-answers as a blend that missed the chunk, the next request (at another position) misses it,
-computes and stores it and answers as its own miss, and a later audited hit on it passes.
+"""Audited reuse on the real model (SmolLM2-135M-Instruct): the faults it must catch (prefix hits
+and CacheBlend chunks) and the clean hits it must pass, with each deviation recorded.
 
     python -m bench.reliability.audit --chunks --dtype float32 --hits 100 [--faults]
     python -m bench.reliability.audit --dtype bfloat16 --hits 80 [--faults]   # prefix hits
+
+The faults, the checks a case must hold and the figures: docs/reliability.md, "Audited reuse".
 """
 from __future__ import annotations
 

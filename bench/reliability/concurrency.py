@@ -1,10 +1,7 @@
-"""Concurrency scenario: threads (in-process) or sidecar clients (shared memory and TCP) run random
-stores, fetches, lookups and model drops over overlapping prefixes; every operation is logged and
-the history checked (tests/concurrency_history.py). `Universe` holds the sequences: shared roots
-led by one BOS token, branches with shared stems, so operations overlap in pages, tails and BOS
-alone; a token's KV is a function of its id and position (bench/reliability/pages.py).
-`run_restarts` SIGKILLs a write-through sidecar at random moments: acknowledged stores must survive.
-Run by `python bench/chaos.py --only concurrency` (docs/reliability.md).
+"""Concurrency scenario: threads (in-process) or sidecar clients run random stores, fetches,
+lookups and model drops over overlapping prefixes, and the logged history is checked
+(tests/concurrency_history.py). Run by `python bench/chaos.py --only concurrency`; what runs and
+what is checked: docs/reliability.md, "The promises".
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Corruption scenario: damage the disk tier while the store is stopped, reopen, fetch everything.
-
-`run_page_damage` overwrites bytes of LMDB's leaf and branch pages, `run_flips` random bytes of
-data.mdb, `run_payloads` record payloads through LMDB. No fetch may return KV other than what was
-stored; each damaged store is opened in a forkserver child, so a crash is counted, not suffered.
-Run by `python bench/chaos.py --only corruption`; the damage and figures: docs/reliability.md.
+"""Corruption scenario: damage the disk tier while the store is stopped, reopen in a child (a crash
+is counted, not suffered), fetch everything. Run by `python bench/chaos.py --only corruption`;
+the damage and figures: docs/reliability.md, "The chaos table".
 """
 from __future__ import annotations
 

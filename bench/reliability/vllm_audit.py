@@ -1,19 +1,6 @@
-"""Audited reuse in vLLM (kvstore/integrations/vllm_audit.py) on the real model, one engine per run.
-
-`run_vllm_audit(dtype, path, clean_hits)`: a vLLM engine (in this process, its prefix cache off,
-so every hit is the store's) with `audit_rate=1`, on an in-process store or a sidecar:
-
-    clean, across engines   the decode loop stores documents; vLLM requests extend a prefix of
-                            one of them: vLLM loads the decode loop's pages and audits them
-    clean, same engine      vLLM stores documents itself, then hits them the same way
-    faults                  each fault of bench/reliability/audit.py that vLLM can meet, planted
-                            under a prompt's key (the decode loop's `plant`); the connector's
-                            scatter writing heads in the wrong order is injected into the
-                            worker's load instead (the stored pages are right there)
-
-A fault case checks: the first audited hit's audit fails (the store counts it), the store no
-longer matches the prompt, the audited request answers as the same engine's full prefill of it,
-and the next request (another extension) recomputes and answers as its own full prefill.
+"""Audited reuse in vLLM (kvstore/integrations/vllm_audit.py) on the real model, one engine per run:
+`run_vllm_audit(dtype, path, clean_hits)` audits clean hits of the decode loop's pages and of vLLM's
+own, then plants each fault vLLM can meet. The cases and checks: docs/reliability.md, "Audited reuse".
 """
 from __future__ import annotations
 
