@@ -27,16 +27,14 @@ from bench.report import markdown_table, parser as bench_parser, write_json  # n
 if TYPE_CHECKING:  # the audit's modules load torch and the model: only when it runs
     from bench.reliability.audit import FaultCase
 
+CRASH_ROUNDS = 25
+PAGE_TRIALS = 500  # reopenings after leaf/branch page damage
+CONCURRENCY_OPS = 1_000_000  # in-process and again through the sidecar; a twentieth more against restarts
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--crash-rounds", type=int, default=25)
     parser.add_argument("--load-s", type=float, default=60.0)
-    parser.add_argument("--page-trials", type=int, default=500, help="reopenings after leaf/branch page damage")
-    parser.add_argument("--concurrency-ops", type=int, default=1_000_000,
-                        help="operations checked in-process and again through the sidecar (60%% with nothing "
-                             "evicted, 40%% with constant eviction); a twentieth more against a sidecar killed "
-                             "and restarted")
     parser.add_argument("--audit-hits", type=int, default=200,
                         help="clean audited hits of the decode loop per dtype (float32, bfloat16) and path "
                              "(in-process, sidecar)")
@@ -53,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only == "audit":
             _audit(args.audit_hits, args.audit_vllm_hits, args.audit_dtypes.split(","), rows, reports)
         if args.only in (None, "concurrency"):
-            _concurrency(work, args.concurrency_ops, rows, reports)
+            _concurrency(work, CONCURRENCY_OPS, rows, reports)
         if args.only in (None, "corruption"):
             _corruption(work, args, rows, reports)
         if args.only is None:
@@ -64,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _corruption(work: Path, args: argparse.Namespace, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
     """SIGKILLs under load (the full run only), then damage to LMDB while the store is stopped."""
-    crash_modes = () if args.only else (("write-through", args.crash_rounds),
-                                        ("write-back", max(5, args.crash_rounds // 2)))
+    crash_modes = () if args.only else (("write-through", CRASH_ROUNDS),
+                                        ("write-back", CRASH_ROUNDS // 2))
     for mode, rounds in crash_modes:
         began = time.perf_counter()
         r = run_crash(work / f"crash-{mode}", rounds=rounds, durability=mode, seed=7)
@@ -77,7 +75,7 @@ def _corruption(work: Path, args: argparse.Namespace, rows: list[tuple[str, str]
                      f"{r.repairs} LMDB repairs; restart {max(r.restart_s):.1f} s max "
                      f"({time.perf_counter() - began:.0f} s)"))
     began = time.perf_counter()
-    r = run_page_damage(work, trials=args.page_trials, seed=16)
+    r = run_page_damage(work, trials=PAGE_TRIALS, seed=16)
     reports["page_damage"] = r
     rows.append(("1-4 bytes of LMDB leaf/branch pages overwritten while stopped, each reopen in a child",
                  f"{r.trials} trials, {r.damaged} bytes in {r.pages_damaged} pages: {r.killed} processes killed, "

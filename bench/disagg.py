@@ -30,6 +30,9 @@ from bench.report import markdown_table, parser as bench_parser, write_json  # n
 from kvstore.decode.model_pull import pull  # noqa: E402
 
 LONG_ANSWER_TOKENS = 16
+LONG_PROMPTS, LONG_TOKENS = 4, 1800
+DECODERS = 3
+ALONE_S = 4.0  # decoding alone, once every decoder is past its prefill
 
 
 def long_prompts(model_dir: Path, count: int, tokens: int) -> list[list[dict[str, str]]]:
@@ -80,7 +83,7 @@ async def run_mix(url: str, model: str, args: argparse.Namespace, longs, shorts)
                     for m, times in zip(shorts, arrivals)]
         while min(len(times) for times in arrivals) < 2:  # every decoder past its prefill
             await asyncio.sleep(0.05)
-        await asyncio.sleep(args.alone_s)  # decoding alone
+        await asyncio.sleep(ALONE_S)
         load_began = time.perf_counter()
         long_results = []
         for messages in longs:
@@ -102,7 +105,7 @@ async def run_mix(url: str, model: str, args: argparse.Namespace, longs, shorts)
 
 
 def one_engine(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
-    engine = EngineServer(model, None, None, work / "single.log", max_model_len=args.long_tokens + 512).start()
+    engine = EngineServer(model, None, None, work / "single.log", max_model_len=LONG_TOKENS + 512).start()
     try:
         engine.wait_ready()
         return asyncio.run(run_mix(engine.url, str(model), args, longs, shorts))
@@ -112,26 +115,22 @@ def one_engine(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
 
 def disaggregated(model: Path, work: Path, args, longs, shorts) -> dict[str, Any]:
     with Sidecar(work / "sidecar", serve_args("2GiB")) as sidecar, \
-            engines.disaggregated(model, sidecar.url, work, args.long_tokens + 512) as url:
+            engines.disaggregated(model, sidecar.url, work, LONG_TOKENS + 512) as url:
         return asyncio.run(run_mix(url, str(model), args, longs, shorts))
 
 
 def main() -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--long-tokens", type=int, default=1800)
-    parser.add_argument("--long-prompts", type=int, default=4)
-    parser.add_argument("--decoders", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=48)
-    parser.add_argument("--alone-s", type=float, default=4.0,
-                        help="seconds of decoding alone, once every decoder is past its prefill")
     args = parser.parse_args()
-    for name in ("long_tokens", "long_prompts", "decoders", "decode_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.decode_tokens < 1:
+        parser.error("--decode-tokens must be >= 1")
     model = pull("smollm2")
-    longs = long_prompts(model, args.long_prompts, args.long_tokens)
-    shorts = short_prompts(args.decoders)
-    results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
+    longs = long_prompts(model, LONG_PROMPTS, LONG_TOKENS)
+    shorts = short_prompts(DECODERS)
+    config = {"long_tokens": LONG_TOKENS, "long_prompts": LONG_PROMPTS, "decoders": DECODERS,
+              "decode_tokens": args.decode_tokens, "alone_s": ALONE_S}
+    results: dict[str, Any] = {"config": config}
     with tempfile.TemporaryDirectory(prefix="kvstore-disagg-") as tmp, \
             tqdm(total=2, desc="disagg", unit="deployment", file=sys.stderr) as bar:
         for name, run in (("one engine", one_engine), ("disagg", disaggregated)):

@@ -28,6 +28,8 @@ from kvstore.tiers.gpu import GPUTier
 
 H, D, P = 8, 128, 16
 TARGET_S = 0.05  # time each measurement for about this long
+PAGE_KIB = (64, 512, 2048)
+BATCH_PAGES = (1, 8, 64)  # pages moved per call
 # The share of its copy baseline each path must reach (on an H200).
 TARGETS = {"gather": ("device copy", 0.8), "scatter": ("device copy", 0.8),
            "quantize_int8": ("device copy", 0.7), "dequantize_int8": ("device copy", 0.7),
@@ -179,8 +181,6 @@ def tier_rows(spec: ModelSpec, n: int, rows: Rows) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("--page-kib", type=int, nargs="+", default=[64, 512, 2048])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     args = parser.parse_args()
     reason = runtime.kernels_unavailable_reason()
     if reason is not None:
@@ -188,10 +188,10 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"{name}, torch {torch.__version__}", flush=True)
     rows = Rows()
-    for kib in args.page_kib:
+    for kib in PAGE_KIB:
         L = max(1, (kib << 10) // (2 * P * H * D * 2))
         spec = ModelSpec(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16", page_size=P)
-        for n in args.batches:
+        for n in BATCH_PAGES:
             device_rows(spec, n, rows)
             tier_rows(spec, n, rows)
             torch.cuda.empty_cache()

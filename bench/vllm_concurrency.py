@@ -21,6 +21,9 @@ from bench.engines import REAL_MODEL, Sidecar, checkpoint, kv_bytes_per_token, m
 from bench.prompts import Prompts  # noqa: E402
 from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 
+SUFFIX_TOKENS = 64  # each request's own, after the shared prefix
+OUTPUT_TOKENS = 32
+
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
@@ -37,7 +40,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
         prompts = []
         for i in range(job["requests"]):
             salt = {"cache_salt": f"fresh-{first + i}"} if fresh_salts else {}
-            tokens = prefix + prompt(job["suffix_tokens"], salt=first + i)
+            tokens = prefix + prompt(SUFFIX_TOKENS, salt=first + i)
             prompts.append(TokensPrompt(prompt_token_ids=tokens, **salt))
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
         if empty_vllm_cache:
@@ -50,7 +53,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
 
     def best(**how: Any) -> dict[str, float]:
         ttft = min(batch(1, **how) for _ in range(job["repeats"]))
-        whole = min(batch(job["output_tokens"], **how) for _ in range(job["repeats"]))
+        whole = min(batch(OUTPUT_TOKENS, **how) for _ in range(job["repeats"]))
         return {"ttft_s": ttft, "requests_per_s": job["requests"] / whole}
 
     batch(1, fresh_salts=True)  # warm-up: the one-time costs of a first batch
@@ -70,15 +73,13 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, with_json=False)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
-    parser.add_argument("--suffix-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="batches per figure (best of)")
     parser.add_argument("--random-model", action="store_true", help="a random-weight Llama (no download)")
     args = parse_or_serve_engine(parser, argv, engine_main)
     if args is None:
         return 0
-    for name in ("prefix_tokens", "suffix_tokens", "requests", "output_tokens", "repeats"):
+    for name in ("prefix_tokens", "requests", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be at least 1")
     with tempfile.TemporaryDirectory(prefix="vllm-concurrency-") as tmp:
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=4, desc="vllm_concurrency", unit="engine", file=sys.stderr) as bar:
             directory = checkpoint(args.random_model, root / "model")
             facts = model_facts(directory)
-            max_model_len = args.prefix_tokens + args.suffix_tokens + args.output_tokens + 64
+            max_model_len = args.prefix_tokens + SUFFIX_TOKENS + OUTPUT_TOKENS + 64
             if max_model_len > facts["context"]:
                 parser.error(f"--prefix-tokens: the prompts do not fit the model's {facts['context']}-token context")
             per_token = kv_bytes_per_token(facts, "float32")
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             base = dict(model=str(directory), vocab_size=facts["vocab"], max_model_len=max_model_len,
                         has_tokenizer=facts["has_tokenizer"] and not args.random_model,
                         kv_cache_bytes=kv_cache_bytes, prefix_tokens=args.prefix_tokens,
-                        suffix_tokens=args.suffix_tokens, requests=args.requests, output_tokens=args.output_tokens,
-                        repeats=args.repeats)
+                        requests=args.requests, repeats=args.repeats)
             results: dict[str, Any] = {"vllm": run_engine(dict(base, extra=None), __file__)}
             bar.update()
             store_bytes = f"{max(1024, 4 * per_token * args.requests * max_model_len >> 20)}MiB"
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
     table = summarize(results)
     print(f"model: {'random-weight Llama' if args.random_model else REAL_MODEL}, float32; {args.requests} requests "
-          f"of {args.prefix_tokens} shared + {args.suffix_tokens} own tokens, {args.output_tokens} output tokens")
+          f"of {args.prefix_tokens} shared + {SUFFIX_TOKENS} own tokens, {OUTPUT_TOKENS} output tokens")
     print(markdown_table(["case", "TTFT of the batch ms", "requests/s", "÷ vLLM, prefix cached", "÷ nothing cached"],
                          ([r["case"], f"{r['ttft_s'] * 1e3:,.0f}", f"{r['requests_per_s']:.2f}",
                            f"{r['throughput_vs_vllm_cached']:.2f}", f"{r['throughput_vs_nothing_cached']:.2f}"]

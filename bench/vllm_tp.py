@@ -30,6 +30,7 @@ from kvstore.limits import MAX_SALT_BYTES  # noqa: E402
 
 UNSERVED_SALT = "unserved-" + "x" * MAX_SALT_BYTES  # too long for the store: vLLM alone computes it
 ANSWER_TOKENS = 16
+CHECK_TOKENS = 512  # the prompts that only check answers (the failed rank's, P/D) and the warm-up
 TARGETS = {"cross_hit_share_of_pages": 1.0, "fault_pages_served": 0, "hit_over_full_prefill": 0.25,
            "slice_over_whole_fetch": 0.45}
 
@@ -147,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, with_json=False)
     parser.add_argument("--tp", type=int, default=3, help="the tensor-parallel degree next to TP=1")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the prompts timed and reused")
-    parser.add_argument("--check-tokens", type=int, default=512,
-                        help="tokens of the prompts that only check answers (the failed rank's, P/D) and the warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs per hit measurement (best of)")
     parser.add_argument("--skip-pd", action="store_true", help="leave out the P/D deployments (4 engine servers)")
     parser.add_argument("--slices-only", action="store_true",
@@ -177,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(c["met"] for c in checks) else 1
     prompt = Prompts(str(directory), 0, True)
     a, b = (prompt(args.tokens, salt=s) for s in (1, 2))
-    c, d, fault = (prompt(args.check_tokens, salt=s) for s in (3, 4, 5))
-    max_model_len = max(args.tokens, args.check_tokens) + 256
+    c, d, fault = (prompt(CHECK_TOKENS, salt=s) for s in (3, 4, 5))
+    max_model_len = max(args.tokens, CHECK_TOKENS) + 256
     base = dict(model=str(directory), max_model_len=max_model_len, kv_cache_bytes=max(1 << 30, 6 * spec.bytes_per_token
                                                                                       * max_model_len))
     results: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens}

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 CASES = ("fetch-64KiB", "store-64KiB", "fetch-into-2MiB", "plan-128-pages")
+CALLS = 300  # counted per case
 ONE_COPY = ("fetch-64KiB", "store-64KiB")  # cases whose copy glibc makes as the baseline's (see above)
 
 # The child: builds a store as bench/ops.py does (a 64 MiB CPU tier filled first, so a store
@@ -108,23 +109,17 @@ def say(child: subprocess.Popen, line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    parser.add_argument("--calls", type=int, default=300, help="calls counted per case (default 300)")
     parser.add_argument("--before-site", metavar="DIR", help="an importable copy of older code, counted first")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind is not installed: apt-get install -y valgrind")
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        raise SystemExit(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     sites = ([("before", args.before_site)] if args.before_site else []) + [("this checkout", None)]
     print("| case | code | instructions per call | of them besides the copy (a np.copyto of the same bytes) |")
     print("|---|---|---|---|")
-    for case in cases:
-        copy = count(f"memcpy-{case}", args.calls, None)[0] if case in ONE_COPY else None
+    for case in CASES:
+        copy = count(f"memcpy-{case}", CALLS, None)[0] if case in ONE_COPY else None
         for label, site in sites:
-            per_call, imported = count(case, args.calls, site)
+            per_call, imported = count(case, CALLS, site)
             besides = "–" if copy is None else f"{per_call - copy:,.0f}"
             print(f"| {case} | {label} ({Path(imported).parent}) | {per_call:,.0f} | {besides} |", flush=True)
     return 0
