@@ -2,6 +2,8 @@
 bytes in the same run, disk store with zstd on and off, and lookup cost per page at 8k-128k tokens.
 
     python bench/tiers.py [--pages 64] [--repeat 5] [--json out.json]
+
+docs/performance.md, "Tiers".
 """
 from __future__ import annotations
 

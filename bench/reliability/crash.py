@@ -1,7 +1,6 @@
 """Crash scenario: SIGKILL a `kvstore serve` under a store load at random moments and restart it on
-the same data dir. Every acknowledged page (write-through) comes back bit-exact, nothing is served
-past what a store sent, and LMDB reopens without repair (nothing moved aside or corrupt).
-Run by `python bench/chaos.py` (docs/reliability.md, "The chaos table").
+the same data dir; acknowledged pages must come back bit-exact. Run by `python bench/chaos.py`;
+what is checked and the figures: README.md, "Reliability".
 """
 from __future__ import annotations
 

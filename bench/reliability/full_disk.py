@@ -1,7 +1,6 @@
-"""Full-disk scenario: `kvstore serve` with `--disk-bytes` far above what its filesystem holds (a
-small tmpfs where this process may mount), stored into past that, then the filesystem filled by
-another file. Every store answers 200 or 507, never 500; whatever is fetched is bit-exact.
-Run by `python bench/chaos.py` (docs/reliability.md, "The chaos table").
+"""Full-disk scenario: a sidecar's disk tier on a small tmpfs, filled past what it holds, then by
+another file; every store answers 200 or 507, never 500, and whatever is fetched is bit-exact.
+Run by `python bench/chaos.py`; the figures: README.md, "Reliability".
 """
 from __future__ import annotations
 
