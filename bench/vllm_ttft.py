@@ -75,9 +75,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
 
     def audit_in_turns(tokens: list[int], repeats: int) -> dict[str, Any]:
         """This engine's store hits, audited and not, in pairs (the order alternating) by switching
-        its scheduler's audit rate between hits, then its own prefix-cache hit: two engines run
-        minutes apart, and their TTFTs are not comparable. The audit's cost is the median of the
-        pairs' ratios (each pair's two hits a moment apart, under the same load)."""
+        its scheduler's audit rate, then its own prefix-cache hit (why pairs: docs/reliability.md)."""
         audits = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.audits
         rate, runs, own, ratios = audits.rate, {True: [], False: []}, [], []  # audited? -> hits
         for i in range(repeats):
