@@ -5,47 +5,10 @@
                                   [--resume results.json] [--plot docs/cacheblend.png]
                                   [--ttft-lengths 2048,4096,6144]
 
-Model: SmolLM2-135M-Instruct (`--model smollm2`, float32, 30 layers). Workloads
-(bench/blend_workload.py, built from `--seed`): `langref`, sections of Python's language
-reference, 3-8 documents of 200-600 tokens per prompt; `packages`, the installed packages'
-descriptions and licenses (bench/blend_packages.py), 2-10 documents of 80-700 tokens, other
-questions and needles. Half of the questions in each are needle questions.
-
-Quality. Each prompt is first prefilled in full and answered greedily (`--answer-tokens`, stopping
-at the end of the turn): that answer and its distributions are the reference, kept in
-`--reference-dir` under a hash of the model, the prompt's tokens and the answer length, so a later
-run over the same prompts reads them instead of prefilling again. Then, for each ratio r and
-selection variant, the prompt's chunks are laid in the cache as the store gives them (each
-document's standalone KV, computed once per run and stored in an in-process `KVStore`, K
-re-rotated to its place), recomputed selectively, and the question and the reference answer run
-through in one teacher-forced pass. Per prompt, along the reference answer:
-  kl        mean KL(full || blended) of the next-token distribution
-  top1      fraction of positions where the blended argmax is the reference token
-  exact     1 if every position agrees: then the blended greedy answer is the reference itself
-  greedy8   of the blended greedy answer's first 8 tokens (decoded on from the first
-            disagreement), the fraction equal to the reference's (all of it if shorter)
-  needle    needle prompts: the blended greedy answer names the planted number
-Variants (decode/blend_selection.py), at every ratio unless `--rules-at` names the labels for a
-ratio (by default only `rule` at 0.3): `rule` (the decode loop's `TokenSelection()`, or what
---first-share/--query-share/--select-layer/--narrowing make of it), and its controls `random` and
-`first` (the first tokens of every chunk) on the same schedule, so each recomputes the same number
-of tokens per layer; `--variants` adds others by name (label:key=value,...; keys: rule,
-first_share, query_share, select_layer, narrowing as 4/2/1, score). r = 0 is the stored chunks as
-they are; r = 1 recomputes everything (exactly a full prefill). The prefix (system prompt) is exact
-in every run, as prefix reuse makes it. `--time-budget-s` starts no prompt past that many seconds:
-a run on a shared machine ends with a whole report over the prompts that fitted. `--resume FILE`
-adds to a results file (written whole after each prompt): each prompt's record there (its index in
-the workload, a hash of its tokens, every variant's figures) stands, so a run stopped anywhere goes
-on where it stopped, and the figures are computed from the records, the same however the run was
-split; a file of another model, workload, seed, variant set or answer length is refused.
-
-TTFT. Prompts of `--ttft-lengths` tokens from the same documents: a full prefill against
-CacheBlend at `--ttft-ratio` with every chunk and the prefix warm, from an in-process CPU tier
-and from `kvstore serve` (CPU tier) over loopback; best of `--ttft-repeats` interleaved runs.
-
-Targets at r = 0.15: mean KL <= 0.15x r = 0's (<= 0.10x at r = 0.3) and <= 0.7x the better
-control's; greedy agreement >= 7 of 8; needle accuracy within 3 points of a full prefill; TTFT
-<= 0.35x a full prefill at 4k tokens. r = 1 equals a full prefill.
+Per prompt and selection (`rule`, its controls `random` and `first`, and `--variants`) at each
+ratio: mean KL to a full prefill along its answer, top-1, exact answers, greedy agreement over 8
+tokens and needles; `--resume` adds to a results file. Then TTFT at `--ttft-lengths`. What each
+figure is, the workloads and the results: docs/cacheblend.md ("How the bench measures").
 """
 from __future__ import annotations
 
