@@ -107,42 +107,54 @@ def test_bad_workload_settings_name_the_field():
     assert exit_.value.code == 2
 
 
-@pytest.mark.parametrize("workload", ["langref", "packages"])
-def test_rule_beats_no_recompute_and_its_controls_on_the_real_model(workload: str, tmp_path: Path, capsys):
-    out, png = tmp_path / "blend.json", tmp_path / "blend.png"
-    assert blend_quality.main(["--workload", workload, "--prompts", "2", "--seed", "3", "--ratios", "0,0.15",
+def run_small(workload: str, *more: str) -> int:
+    """bench/blend_quality.py on two short prompts of `workload`: r = 0 and r = 0.15, the rule and
+    both controls, an 8-token answer."""
+    return blend_quality.main(["--workload", workload, "--prompts", "2", "--seed", "3", "--ratios", "0,0.15",
                                "--answer-tokens", "8", "--ttft-lengths", "", *SMALL[workload],
                                "--reference-dir", "",
                                # this process's own thread count: a make test worker has one CPU,
                                # which two threads would only take turns on
-                               "--threads", str(torch.get_num_threads()),
-                               "--json", str(out), "--plot", str(png)]) == 0
+                               "--threads", str(torch.get_num_threads()), *more])
+
+
+@pytest.fixture(scope="module")
+def langref_run(tmp_path_factory) -> Path:
+    """The small langref run in one go: the rule's test reads it, and the resumed run must equal it."""
+    out = tmp_path_factory.mktemp("blend-langref") / "blend.json"
+    assert run_small("langref", "--json", str(out)) == 0
+    return out
+
+
+@pytest.mark.parametrize("workload", ["langref", "packages"])
+def test_rule_beats_no_recompute_and_its_controls_on_the_real_model(workload: str, request, tmp_path: Path, capsys):
+    if workload == "langref":
+        out = request.getfixturevalue("langref_run")
+    else:
+        out, png = tmp_path / "blend.json", tmp_path / "blend.png"
+        assert run_small(workload, "--json", str(out), "--plot", str(png)) == 0
+        assert "rule" in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"
     v = json.loads(out.read_text())["quality"]["variants"]
     blend, r0, random_, first = v["rule@0.15"], v["none@0"], v["random@0.15"], v["first@0.15"]
     assert blend["recomputed_fraction"] == random_["recomputed_fraction"] == first["recomputed_fraction"] > 0.1
     assert r0["recomputed_fraction"] == 0 and r0["kl"] > 0  # no recompute is not a full prefill
     assert blend["kl"] <= 0.5 * r0["kl"] and blend["kl"] < random_["kl"]
-    assert "rule" in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_resumed_run_equals_one_run_and_refuses_another_config(tmp_path: Path, capsys):
-    run = ["--workload", "langref", "--seed", "3", "--ratios", "0,0.15", "--rules", "rule,first",
-           "--answer-tokens", "8", "--ttft-lengths", "", *SMALL["langref"], "--reference-dir", "",
-           "--threads", str(torch.get_num_threads())]
-    whole, split = tmp_path / "whole.json", tmp_path / "split.json"
-    assert blend_quality.main([*run, "--prompts", "4", "--json", str(whole)]) == 0
-    assert blend_quality.main([*run, "--prompts", "2", "--resume", str(split)]) == 0
-    first_half = json.loads(split.read_text())["quality"]["per_prompt"]
-    assert blend_quality.main([*run, "--prompts", "4", "--resume", str(split)]) == 0
-    one, two = json.loads(whole.read_text())["quality"], json.loads(split.read_text())["quality"]
-    assert [p["index"] for p in two["per_prompt"]] == [0, 1, 2, 3] and two["per_prompt"][:2] == first_half
-    assert two["variants"] == one["variants"] and two["variants"]["rule@0.15"]["prompts"] == 4
+def test_a_resumed_run_equals_one_run_and_refuses_another_config(langref_run: Path, tmp_path: Path, capsys):
+    split = tmp_path / "split.json"
+    assert run_small("langref", "--prompts", "1", "--resume", str(split)) == 0
+    first_part = json.loads(split.read_text())["quality"]["per_prompt"]
+    assert run_small("langref", "--resume", str(split)) == 0  # the second prompt only
+    one, two = json.loads(langref_run.read_text())["quality"], json.loads(split.read_text())["quality"]
+    assert [p["index"] for p in two["per_prompt"]] == [0, 1] and two["per_prompt"][:1] == first_part
+    assert two["variants"] == one["variants"] and two["variants"]["rule@0.15"]["prompts"] == 2
     assert {k: v for k, v in two.items() if k in ("needle_full", "mean_prompt_tokens", "chunks_per_prompt")} == \
         {k: v for k, v in one.items() if k in ("needle_full", "mean_prompt_tokens", "chunks_per_prompt")}
     capsys.readouterr()
     for other, named in ((["--seed", "4"], "workload.seed"), (["--answer-tokens", "9"], "answer_tokens"),
                          (["--rules", "rule,random"], "variants")):
         with pytest.raises(SystemExit) as exit_:
-            blend_quality.main([*run, "--prompts", "4", *other, "--resume", str(split)])
+            run_small("langref", *other, "--resume", str(split))
         assert exit_.value.code == 2 and named in capsys.readouterr().err
     assert json.loads(split.read_text())["quality"] == two  # a refused run leaves the file as it was
