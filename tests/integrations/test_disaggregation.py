@@ -29,7 +29,7 @@ from kvstore.decode.model_pull import pull  # noqa: E402
 pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
 
 MAX_TOKENS = 8
-TOPICS = ["for", "while", "if", "with", "assert", "return"]
+TOPICS = ["for", "while", "with", "return"]
 
 
 def chat(index: int) -> list[dict[str, str]]:
@@ -102,14 +102,14 @@ def test_the_proxys_answers_are_one_engines_answers(answers):
 
 def test_the_decode_engine_loads_all_but_the_last_block_from_the_prefill(answers):
     with_prefill = [(prompt, cached) for prefilled, _, (_, prompt, cached) in answers if prefilled]
-    assert len(with_prefill) >= 3 and all(prompt >= 3 * BLOCK for prompt, _ in with_prefill)
+    assert len(with_prefill) >= 2 and all(prompt >= 3 * BLOCK for prompt, _ in with_prefill)
     for prompt, cached in with_prefill:
         assert cached >= prompt - BLOCK, (prompt, cached)
 
 
 def test_a_dead_prefill_engine_costs_a_recompute_and_the_same_answers(answers, deployment):
     after = [served for prefilled, _, served in answers if not prefilled]
-    assert len(after) >= 3
+    assert len(after) >= 2
     assert all(cached == 0 for _, _, cached in after)  # nobody stored these prompts: computed by the decode engine
     with urllib.request.urlopen(deployment["proxy"] + "/healthz", timeout=10) as answer:
         health = json.loads(answer.read())
