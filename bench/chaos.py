@@ -1,13 +1,12 @@
 """Run every reliability scenario at full size and print the README's Reliability table.
 
-    python bench/chaos.py [--json FILE] [--load-s 60] [--only corruption|concurrency|audit]
+    python bench/chaos.py [--json FILE] [--load-s 60] [--only crash|corruption|concurrency|load|audit]
                           [--audit-hits 200] [--audit-vllm-hits 100] [--audit-dtypes float32,bfloat16]
 
 Scenarios live in bench/reliability/ (tests/reliability/ runs the same code small).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -42,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="clean audited hits of each vLLM engine (float32 and bfloat16, in-process and sidecar)")
     parser.add_argument("--audit-dtypes", default="float32,bfloat16",
                         help="the audit's dtypes, comma-separated (bfloat16 is slow on CPUs without AVX512-BF16)")
-    parser.add_argument("--only", choices=["corruption", "concurrency", "audit"], help="run only these scenarios")
+    parser.add_argument("--only", choices=["crash", "corruption", "concurrency", "load", "audit"],
+                        help="run only this scenario")
     args = parser.parse_args(argv)
     rows: list[tuple[str, str]] = []
     reports: dict[str, object] = {}
@@ -52,19 +52,19 @@ def main(argv: list[str] | None = None) -> int:
             _audit(args.audit_hits, args.audit_vllm_hits, args.audit_dtypes.split(","), rows, reports)
         if args.only in (None, "concurrency"):
             _concurrency(work, CONCURRENCY_OPS, rows, reports)
+        if args.only in (None, "crash"):
+            _crash(work, rows, reports)
         if args.only in (None, "corruption"):
-            _corruption(work, args, rows, reports)
-        if args.only is None:
+            _corruption(work, rows, reports)
+        if args.only in (None, "load"):
             _full_disk_and_load(work, args.load_s, rows, reports)
     _print(rows, reports, args.json)
     return 0
 
 
-def _corruption(work: Path, args: argparse.Namespace, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
-    """SIGKILLs under load (the full run only), then damage to LMDB while the store is stopped."""
-    crash_modes = () if args.only else (("write-through", CRASH_ROUNDS),
-                                        ("write-back", CRASH_ROUNDS // 2))
-    for mode, rounds in crash_modes:
+def _crash(work: Path, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
+    """SIGKILLs under store load, in both durability modes."""
+    for mode, rounds in (("write-through", CRASH_ROUNDS), ("write-back", CRASH_ROUNDS // 2)):
         began = time.perf_counter()
         r = run_crash(work / f"crash-{mode}", rounds=rounds, durability=mode, seed=7)
         reports[f"crash_{mode}"] = r
@@ -74,6 +74,10 @@ def _corruption(work: Path, args: argparse.Namespace, rows: list[tuple[str, str]
                      f"{r.wrong_kv} wrong KV, {r.over_served} over-served, "
                      f"{r.repairs} LMDB repairs; restart {max(r.restart_s):.1f} s max "
                      f"({time.perf_counter() - began:.0f} s)"))
+
+
+def _corruption(work: Path, rows: list[tuple[str, str]], reports: dict[str, object]) -> None:
+    """Damage to LMDB while the store is stopped: its pages, random bytes, records."""
     began = time.perf_counter()
     r = run_page_damage(work, trials=PAGE_TRIALS, seed=16)
     reports["page_damage"] = r
