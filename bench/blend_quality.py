@@ -249,8 +249,8 @@ class Evaluator:
                     r1_max_abs = float((logp - ref_logp).abs().max())
                 free = self._free_answer(prompt, answer, agree, logits, n, cache, table)
                 head = answer[:GREEDY_TOKENS]
-                text = model.tokenizer.decode(free) if model.tokenizer else ""
-                needle = None if prompt.needle_answer is None else needle_correct(text, prompt.needle_answer)
+                needle = None if prompt.needle_answer is None else needle_correct(
+                    model.tokenizer.decode(free) if model.tokenizer else "", prompt.needle_answer)
                 sizes = variant.selection.keep_sizes(chunk_tokens, ratio, layers)
                 figures[variant.name] = {
                     "kl": float(kl.mean()), "top1": float(agree.float().mean()), "exact": float(bool(agree.all())),
