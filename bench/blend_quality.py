@@ -1,14 +1,14 @@
 """CacheBlend on the real model: quality against a full prefill per selection rule and ratio, and TTFT.
 
     python bench/blend_quality.py [--workload langref|packages] [--prompts 100] [--ratios 0,0.15,0.3]
-                                  [--rules-at 0.3:rule] [--time-budget-s S] [--json out.json]
-                                  [--resume results.json] [--plot docs/cacheblend.png]
-                                  [--ttft-lengths 2048,4096,6144]
+                                  [--time-budget-s S] [--json out.json] [--resume results.json]
+                                  [--plot docs/cacheblend.png] [--ttft-lengths 2048,4096,6144]
 
-Per prompt and selection (`rule`, its controls `random` and `first`, and `--variants`) at each
-ratio: mean KL to a full prefill along its answer, top-1, exact answers, greedy agreement over 8
-tokens and needles; `--resume` adds to a results file. Then TTFT at `--ttft-lengths`. What each
-figure is, the workloads and the results: docs/cacheblend.md ("How the bench measures").
+Per prompt, the decode loop's selection `rule` and its controls `random` and `first` at each ratio
+(only the rule at 0.3): mean KL to a full prefill along its answer, top-1, exact answers, greedy
+agreement over 8 tokens and needles; `--resume` adds to a results file. Then TTFT at
+`--ttft-lengths`. What each figure is, the workloads and the results: docs/cacheblend.md ("How the
+bench measures"); other selections: bench/research/blend_levers.py.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from kvstore.store import KVStore  # noqa: E402
 # ratio, the rule at twice it. r = 1 (a full prefill) and other ratios run when asked for: each is
 # another recompute of every prompt (tests/decode/test_decode_blend.py checks r = 1 on every rule).
 RATIOS = (0.0, 0.15, 0.3)
-RULES_AT = "0.3:rule"
+RULES_AT: dict[float, Sequence[str]] = {0.3: ("rule",)}
 TARGETS = {"kl_vs_r0": 0.15, "kl_vs_r0_at_0.3": 0.10, "kl_vs_better_control": 0.7, "greedy8": 7 / 8,
            "needle_gap_points": 3.0, "ttft_ratio_4k": 0.35}
 TARGET_RATIO = 0.15
@@ -61,7 +61,7 @@ class Variant:
     greedy8, needle (None off needle prompts), recomputed (the fraction of chunk tokens through the
     last layer) and layer_work (the mean over layers 1.. of the fraction through them)."""
     ratio: float
-    rule: str  # the variant's label: "rule" (the decode loop's), a control, or a --variants label
+    rule: str  # the variant's label: "rule" (the decode loop's), a control, or a research variant's
     selection: TokenSelection
 
     @property
@@ -76,26 +76,6 @@ class Variant:
         return {"ratio": self.ratio, "rule": self.rule, **mean, "recomputed_fraction": mean.pop("recomputed"),
                 "prompts": len(figures["kl"]), "selection": repr(self.selection), "kl_per_prompt": figures["kl"],
                 "greedy8_per_prompt": figures["greedy8"]}
-
-
-def parse_selection(spec: str, base: TokenSelection = TokenSelection()) -> TokenSelection:
-    """'key=value,...' over `base` (keys: rule, first_share, query_share, select_layer, narrowing
-    as 4/2/1, score, seed)."""
-    fields: dict[str, Any] = {}
-    for item in (x for x in spec.split(",") if x):
-        key, _, value = item.partition("=")
-        if key in ("first_share", "query_share"):
-            fields[key] = float(value)
-        elif key in ("select_layer", "seed"):
-            fields[key] = int(value)
-        elif key == "narrowing":
-            fields[key] = tuple(float(f) for f in value.split("/"))
-        elif key in ("rule", "score"):
-            fields[key] = value
-        else:
-            raise ValueError(f"--variants: unknown key {key!r} in {spec!r} (rule, first_share, query_share, "
-                             f"select_layer, narrowing, score, seed)")
-    return replace(base, **fields)
 
 
 def variants_for(ratios: Sequence[float], rules: Sequence[str] = ("rule", *CONTROLS),
@@ -481,7 +461,9 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         make_variants: Callable[[Sequence[float]], list[Variant]] | None = None) -> int:
+    """`make_variants` (ratios -> variants) replaces the rule and its controls: a research tool's selections."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 or a checkpoint directory with a tokenizer")
     parser.add_argument("--workload", default="langref", help=f"one of {', '.join(WORKLOADS)}")
@@ -491,14 +473,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no prompt after this many seconds; the report counts the prompts that ran")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
-    parser.add_argument("--rules", default=",".join(("rule", *CONTROLS)), help="rule and the controls to run")
-    parser.add_argument("--rules-at", default=RULES_AT,
-                        help="only these labels at these ratios: R:label,...;R:... ('' for every rule at every ratio)")
-    parser.add_argument("--first-share", type=float, help="the rule's share of each chunk's first tokens")
-    parser.add_argument("--query-share", type=float, help="the rule's share of the question's attention")
-    parser.add_argument("--select-layer", type=int, help="the first layer that narrows (the rule's and controls')")
-    parser.add_argument("--narrowing", help="keep factors x r from the select layer on, e.g. 2/1")
-    parser.add_argument("--variants", default="", help="more variants: label:key=value,...;label:...")
     parser.add_argument("--needle-fraction", type=float, default=WorkloadConfig.needle_fraction)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--doc-tokens", help="each document's length in tokens: lo,hi (default: the workload's)")
@@ -523,23 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     pair = lambda s: tuple(int(x) for x in s.split(",")) if s else None  # noqa: E731
     try:
         ratios = [float(x) for x in args.ratios.split(",")]
-        rules = [x for x in args.rules.split(",") if x]
         config = WorkloadConfig.named(args.workload, prompts=args.skip + args.prompts, seed=args.seed,
                                       doc_tokens=pair(args.doc_tokens), docs_per_prompt=pair(args.docs_per_prompt),
                                       prompt_tokens=pair(args.prompt_tokens), needle_fraction=args.needle_fraction)
         lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
-        base = TokenSelection()
-        schedule = {"first_share": args.first_share, "query_share": args.query_share,
-                    "select_layer": args.select_layer,
-                    "narrowing": tuple(float(f) for f in args.narrowing.split("/")) if args.narrowing else None}
-        base = replace(base, **{k: v for k, v in schedule.items() if v is not None})
-        extra = []
-        for item in (x for x in args.variants.split(";") if x):
-            label, _, spec = item.partition(":")
-            extra.append((label, parse_selection(spec, base)))
-        rules_at = {float(r): [x for x in labels.split(",") if x] for r, _, labels in
-                    (item.partition(":") for item in args.rules_at.split(";") if item)}
-        variants = variants_for(ratios, rules, base, extra, rules_at)
+        variants = (make_variants or (lambda rs: variants_for(rs, rules_at=RULES_AT)))(ratios)
         if any(not 0.0 <= r <= 1.0 for r in ratios):
             raise ValueError(f"ratios: each must be in [0, 1], got {ratios}")
         if args.no_quality and not lengths:

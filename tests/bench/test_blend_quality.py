@@ -13,6 +13,7 @@ import torch
 from bench import blend_quality
 from bench.blend_packages import PackageDocs, distributions, paragraphs_of, sameness
 from bench.blend_workload import Workload, WorkloadConfig, needle_correct
+from bench.research import blend_levers
 
 pytestmark = pytest.mark.heavy  # the real model through bench/blend_quality.py
 
@@ -99,18 +100,22 @@ def test_bad_workload_settings_name_the_field():
         WorkloadConfig(pool_docs=2)
     with pytest.raises(ValueError, match="workload"):
         WorkloadConfig.named("novels")
+    for levers in (["--variants", "x:colour=red"], ["--rules", "rule,best"], ["--rules-at", "high:rule"]):
+        with pytest.raises(SystemExit) as exit_:
+            blend_levers.main(levers)
+        assert exit_.value.code == 2
     with pytest.raises(SystemExit) as exit_:
-        blend_quality.main(["--variants", "x:colour=red"])
+        blend_quality.main(["--variants", "x:score=pooled"])  # the levers are the research tool's
     assert exit_.value.code == 2
     with pytest.raises(SystemExit) as exit_:
         blend_quality.main(["--ratios", "0,1.5"])
     assert exit_.value.code == 2
 
 
-def run_small(workload: str, *more: str) -> int:
-    """bench/blend_quality.py on two short prompts of `workload`: r = 0 and r = 0.15, the rule and
-    both controls, an 8-token answer."""
-    return blend_quality.main(["--workload", workload, "--prompts", "2", "--seed", "3", "--ratios", "0,0.15",
+def run_small(workload: str, *more: str, main=blend_quality.main) -> int:
+    """bench/blend_quality.py (or `main`, which passes its options on to it) on two short prompts of
+    `workload`: r = 0 and r = 0.15, the rule and both controls, an 8-token answer."""
+    return main(["--workload", workload, "--prompts", "2", "--seed", "3", "--ratios", "0,0.15",
                                "--answer-tokens", "8", "--ttft-lengths", "", *SMALL[workload],
                                "--reference-dir", "",
                                # this process's own thread count: a make test worker has one CPU,
@@ -153,8 +158,19 @@ def test_a_resumed_run_equals_one_run_and_refuses_another_config(langref_run: Pa
         {k: v for k, v in one.items() if k in ("needle_full", "mean_prompt_tokens", "chunks_per_prompt")}
     capsys.readouterr()
     for other, named in ((["--seed", "4"], "workload.seed"), (["--answer-tokens", "9"], "answer_tokens"),
-                         (["--rules", "rule,random"], "variants")):
+                         (["--ratios", "0,0.3"], "variants")):
         with pytest.raises(SystemExit) as exit_:
             run_small("langref", *other, "--resume", str(split))
         assert exit_.value.code == 2 and named in capsys.readouterr().err
     assert json.loads(split.read_text())["quality"] == two  # a refused run leaves the file as it was
+
+
+def test_the_research_tool_runs_its_selections_beside_the_rule_at_equal_recompute(tmp_path: Path):
+    out = tmp_path / "levers.json"
+    assert run_small("langref", "--rules", "rule", "--variants", "L2:select_layer=2", "--json", str(out),
+                     main=blend_levers.main) == 0
+    v = json.loads(out.read_text())["quality"]["variants"]
+    assert set(v) == {"none@0", "rule@0.15", "L2@0.15"}
+    # Selecting on layer 2 sends every token through layers 0-1: the same r, more work.
+    assert v["L2@0.15"]["recomputed_fraction"] == v["rule@0.15"]["recomputed_fraction"] > 0.1
+    assert v["L2@0.15"]["layer_work"] > v["rule@0.15"]["layer_work"]
