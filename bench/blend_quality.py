@@ -33,6 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # after PYTHONPATH: an older kvstore there wins
 
 from bench.blend_workload import WORKLOADS, BlendPrompt, Workload, WorkloadConfig, needle_correct  # noqa: E402
+from bench.report import markdown_table  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.decode import LlamaModel, generate, load_model  # noqa: E402
 from kvstore.decode.attention import AttentionContext  # noqa: E402
@@ -388,24 +389,44 @@ def verdicts(quality: dict[str, Any] | None, ttft: list[dict[str, Any]] | None) 
     return out
 
 
-def print_table(quality: dict[str, Any] | None, ttft: list[dict[str, Any]] | None) -> None:
+LABELS = {"none": "none (stored KV as is)", "all": "all (a full prefill)", "random": "random (control)",
+          "first": "first (control)"}
+
+
+def print_table(quality: dict[str, Any] | None, ttft: list[dict[str, Any]] | None, workload: str) -> None:
+    """The figures as docs/cacheblend.md shows them: a line on the prompts, then a Markdown table."""
     if quality:
-        print(f"{quality['prompts']} prompts, {quality['min_prompt_tokens']}-{quality['max_prompt_tokens']} tokens "
-              f"(mean {quality['mean_prompt_tokens']:.0f}), {quality['chunks_per_prompt']:.1f} chunks each; chunks "
-              f"computed {quality['chunks_computed']}, reused from the store {quality['chunks_reused']}; "
-              f"references read {quality['references_read']}")
-        needle_full = quality["needle_full"]
-        print(f"full prefill: needle accuracy {needle_full * 100:.1f}% of {quality['needle_prompts']}"
-              if needle_full is not None else "full prefill: no needle prompts")
-        r0 = quality["variants"].get("none@0")
-        print(f"{'ratio':>6} {'variant':>12} {'recomp':>7} {'work':>6} {'mean KL':>9} {'x r=0':>6} {'top-1':>7} "
-              f"{'greedy8':>7} {'exact':>6} {'needle':>7}")
-        for s in quality["variants"].values():
-            needle = "-" if s["needle"] is None else f"{s['needle'] * 100:.1f}%"
-            vs_r0 = f"{s['kl'] / r0['kl']:.3f}" if r0 and r0["kl"] else "-"
-            print(f"{s['ratio']:>6g} {s['rule']:>12} {s['recomputed_fraction']:>7.3f} {s['layer_work']:>6.3f} "
-                  f"{s['kl']:>9.4f} {vs_r0:>6} {s['top1'] * 100:>6.1f}% {s['greedy8'] * 8:>5.2f}/8 "
-                  f"{s['exact'] * 100:>5.1f}% {needle:>7}")
+        needles, full = quality["needle_prompts"], quality["needle_full"]
+        print(f"`{workload}`: {quality['prompts']} prompts of {quality['min_prompt_tokens']:,}-"
+              f"{quality['max_prompt_tokens']:,} tokens (mean {quality['mean_prompt_tokens']:,.0f}), "
+              f"{quality['chunks_per_prompt']:.1f} documents each; {needles} needle prompts"
+              + (f", of which the full prefill named the number in {round(full * needles)} ({full:.1%})."
+                 if full is not None else "."))
+        print(f"(chunks computed {quality['chunks_computed']}, reused from the store {quality['chunks_reused']}; "
+              f"references read {quality['references_read']})\n")
+        v = quality["variants"]
+        r0 = v.get("none@0")
+        controls = [v[name] for name in (f"{c}@{TARGET_RATIO:g}" for c in CONTROLS) if name in v]
+        better = min(controls, key=lambda c: c["kl"]) if controls else None
+        rows = []
+        for s in v.values():
+            bold = "**" if s["rule"] == "rule" and s["ratio"] == TARGET_RATIO else ""
+            label = LABELS.get(s["rule"], s["rule"])
+            rows.append([f"{s['ratio']:g}", f"{bold}{label}{bold}", f"{bold}{s['kl']:.4f}{bold}",
+                         f"{s['kl'] / r0['kl']:.3f}" if r0 and r0["kl"] else "–",
+                         f"{s['kl'] / better['kl']:.2f}" if better and s["ratio"] == TARGET_RATIO else "–",
+                         f"{s['top1']:.1%}", f"{s['greedy8'] * 8:.2f}", f"{s['exact']:.0%}",
+                         "–" if s["needle"] is None else f"{s['needle']:.1%}"])
+        print(markdown_table(["r", "tokens picked by", "mean KL vs full", "× r = 0", "× better control",
+                              "top-1 agreement", "greedy agreement, of 8", "exact answers", "needle prompts answered"],
+                             rows))
+        rule = f"rule@{TARGET_RATIO:g}"
+        if rule in v and r0 and better:
+            kls = [{name: f["kl"] for name, f in p["variants"].items()} for p in quality["per_prompt"]]
+            vs_r0 = statistics.median(k[rule] / k["none@0"] for k in kls)
+            below = sum(k[rule] < k[f"{better['rule']}@{TARGET_RATIO:g}"] for k in kls)
+            print(f"\nper prompt, the rule's KL at r = {TARGET_RATIO:g}: median {vs_r0:.3f}× r = 0's; "
+                  f"below `{better['rule']}`'s on {below} of {len(kls)} prompts")
     for row in ttft or []:
         print(f"TTFT {row['length']:>5} tokens, {row['backend']:>7}, r = {row['ratio']:g}: "
               f"{row['ttft_s'] * 1e3:8.0f} ms = {row['ttft_vs_full']:.3f}x full ({row['full_ttft_s'] * 1e3:.0f} ms)")
@@ -568,7 +589,7 @@ def main(argv: list[str] | None = None,
     report: dict[str, Any] = {"source": source, "skip": args.skip, "prompts_asked": len(prompts),
                               "time_budget_s": args.time_budget_s, "targets": TARGETS, "quality": quality, "ttft": ttft,
                               "verdicts": verdicts(quality, ttft), "threads": torch.get_num_threads()}
-    print_table(quality, ttft)
+    print_table(quality, ttft, args.workload)
     for what, ok in report["verdicts"].items():
         print(f"target {what}: {'met' if ok else 'not met'}")
     report["elapsed_s"] = time.perf_counter() - started
