@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 32  # vLLM's CPU attention backend takes block sizes that are multiples of 32
@@ -334,6 +334,18 @@ def make_engine(job: dict[str, Any], **engine: Any) -> Any:
             kv_connector_module_path=job.get("connector_module", "kvstore.integrations.vllm"),
             kv_connector_extra_config=job["extra"])
     return LLM(job["model"], **kwargs)
+
+
+def greedy(llm: Any, prompts: list[list[int]], max_tokens: int, salts: Sequence[str | None] | None = None) -> list[Any]:
+    """vLLM's greedy answers to token prompts (each under its salt, vLLM's cache_salt, where
+    `salts` gives one), each `max_tokens` long (no stop at EOS), no detokenizing, no progress bar."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    salts = salts or [None] * len(prompts)
+    return llm.generate([TokensPrompt(prompt_token_ids=p, **({"cache_salt": s} if s else {}))
+                         for p, s in zip(prompts, salts)], params, use_tqdm=False)
 
 
 def parse_or_serve_engine(parser: argparse.ArgumentParser, argv: list[str] | None,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
-from bench.engines import BLOCK, checkpoint, make_engine  # noqa: E402
+from bench.engines import BLOCK, checkpoint, greedy, make_engine  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
 
 
@@ -31,10 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import msgspec
     import zmq
-    from vllm import SamplingParams
     from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
-    from vllm.inputs import TokensPrompt
 
     model = args.model or str(checkpoint(False, Path()))
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,10 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.connect(endpoint)
         time.sleep(0.2)  # ZeroMQ's slow joiner
         rng = random.Random(0)
-        params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
         for _ in range(args.prompts):
-            prompt = [rng.randrange(100, 20000) for _ in range(args.prompt_tokens)]
-            llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            greedy(llm, [[rng.randrange(100, 20000) for _ in range(args.prompt_tokens)]], 4)
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         stored: dict[str, set] = {}
         removed: dict[str, int] = {}

@@ -16,8 +16,8 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
-from bench.engines import REAL_MODEL, Sidecar, checkpoint, kv_bytes_per_token, make_engine, model_facts, \
-    parse_or_serve_engine, run_engine, serve_args  # noqa: E402
+from bench.engines import REAL_MODEL, Sidecar, checkpoint, greedy, kv_bytes_per_token, make_engine, \
+    model_facts, parse_or_serve_engine, run_engine, serve_args  # noqa: E402
 from bench.prompts import Prompts  # noqa: E402
 from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
 
@@ -26,9 +26,6 @@ OUTPUT_TOKENS = 32
 
 
 def engine_main(job: dict[str, Any]) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     llm = make_engine(job, dtype="float32", enable_prefix_caching=True)
     prompt = Prompts(job["model"], job["vocab_size"], job["has_tokenizer"])
     prefix = prompt(job["prefix_tokens"], salt=0)
@@ -37,16 +34,12 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     def batch(max_tokens: int, fresh_salts: bool = False, empty_vllm_cache: bool = False) -> float:
         """Seconds for one batch of the requests, with suffixes no batch used before."""
         first = next(batches) * job["requests"]
-        prompts = []
-        for i in range(job["requests"]):
-            salt = {"cache_salt": f"fresh-{first + i}"} if fresh_salts else {}
-            tokens = prefix + prompt(SUFFIX_TOKENS, salt=first + i)
-            prompts.append(TokensPrompt(prompt_token_ids=tokens, **salt))
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+        prompts = [prefix + prompt(SUFFIX_TOKENS, salt=first + i) for i in range(job["requests"])]
+        salts = [f"fresh-{first + i}" for i in range(job["requests"])] if fresh_salts else None
         if empty_vllm_cache:
             llm.reset_prefix_cache()
         started = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = greedy(llm, prompts, max_tokens, salts)
         elapsed = time.perf_counter() - started
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
         return elapsed
@@ -57,8 +50,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
         return {"ttft_s": ttft, "requests_per_s": job["requests"] / whole}
 
     batch(1, fresh_salts=True)  # warm-up: the one-time costs of a first batch
-    llm.generate([TokensPrompt(prompt_token_ids=prefix + [prompt(4, salt=0)[-1]])],
-                 SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)  # the prefix, cached (and stored)
+    greedy(llm, [prefix + [prompt(4, salt=0)[-1]]], 1)  # the prefix, cached (and stored)
     result: dict[str, Any] = {}
     if job["extra"] is None:
         result["prefix_cached"] = best()

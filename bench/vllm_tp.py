@@ -22,7 +22,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 
 from bench.reliability.rank_fault_connector import FAULT_SALT  # noqa: E402
 from bench import engines  # noqa: E402
-from bench.engines import REAL_MODEL, Sidecar, make_engine, parse_or_serve_engine, run_engine, serve_args  # noqa: E402
+from bench.engines import REAL_MODEL, Sidecar, greedy, make_engine, parse_or_serve_engine, run_engine, \
+    serve_args  # noqa: E402
 from bench.prompts import Prompts  # noqa: E402
 from bench.report import check, parser as bench_parser, print_checks, write_json  # noqa: E402
 from bench.timing import best_of, timed  # noqa: E402
@@ -41,18 +42,13 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     """Run `job["steps"]` in order on one engine: each a prompt, its salt, whether vLLM's own
     prefix cache is emptied first, and how many tokens to generate; -> per step the greedy
     tokens, the store's hit (num_cached_tokens) and the seconds taken."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     llm = make_engine(job, dtype="float32")
     out = []
     for step in job["steps"]:
         if step.get("reset"):
             llm.reset_prefix_cache()
-        params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, detokenize=False, ignore_eos=True)
-        salt = {"cache_salt": step["salt"]} if step.get("salt") else {}
         started = time.perf_counter()
-        answer = llm.generate([TokensPrompt(prompt_token_ids=step["tokens"], **salt)], params, use_tqdm=False)[0]
+        answer = greedy(llm, [step["tokens"]], step["max_tokens"], [step.get("salt")])[0]
         out.append({"name": step["name"], "seconds": time.perf_counter() - started,
                     "cached": answer.num_cached_tokens, "tokens": list(answer.outputs[0].token_ids)})
     llm.llm_engine.engine_core.shutdown()

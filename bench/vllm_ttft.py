@@ -19,8 +19,8 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.engines import REAL_MODEL, RANDOM_MODEL, Sidecar, checkpoint, kv_bytes_per_token, make_engine, \
-    model_facts, parse_or_serve_engine, run_engine, serve_args  # noqa: E402
+from bench.engines import REAL_MODEL, RANDOM_MODEL, Sidecar, checkpoint, greedy, kv_bytes_per_token, \
+    make_engine, model_facts, parse_or_serve_engine, run_engine, serve_args  # noqa: E402
 from bench.prompts import Prompts  # noqa: E402
 from bench.report import write_json  # noqa: E402
 
@@ -30,15 +30,20 @@ from bench.report import write_json  # noqa: E402
 TARGETS = {"hit_vs_own_hit": 1.2, "hit_vs_full_from_2k": 0.25, "tcp_hit_vs_own_hit_2k": 2.0,
            "miss_work_share_of_prefill": 0.03, "hooks_share_of_decode_step": 0.01,
            "audited_hit_vs_hit_2k": 1.15}
-MEMORY_HITS = ("kvstore hit: in-process CPU tier", "kvstore hit: sidecar, shared memory")
+# The store's hit rows: (the engine's key in the results, its row's case).
+HITS = (("inproc", "kvstore hit: in-process CPU tier"), ("shm", "kvstore hit: sidecar, shared memory"),
+        ("tcp", "kvstore hit: sidecar, TCP"), ("disk", "kvstore hit: disk tier after restart"))
+MEMORY_HITS = tuple(case for _, case in HITS[:2])
 
 
 # -- one engine, in its own process -------------------------------------------------------------
 
-def engine_main(job: dict[str, Any]) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+def fastest(runs: Any) -> tuple[float, int, dict[str, float]]:
+    """The run of `ttft`'s (seconds, cached tokens, connector seconds) that took the least time."""
+    return min(runs, key=lambda run: run[0])
 
+
+def engine_main(job: dict[str, Any]) -> dict[str, Any]:
     llm = make_engine(job, dtype=job["dtype"])
     prompt = Prompts(job["model"], job["vocab_size"], job["has_tokenizer"])
 
@@ -54,10 +59,9 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
 
     def ttft(tokens: list[int], max_tokens: int = 1) -> tuple[float, int, dict[str, float]]:
         """(seconds, num_cached_tokens, seconds the connector spent in fetch/scatter/gather/store)."""
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
         before = worker_stats()
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        out = greedy(llm, [tokens], max_tokens)[0]
         elapsed = time.perf_counter() - start
         spent = {k: v - before[k] for k, v in worker_stats().items()}
         return elapsed, out.num_cached_tokens, spent
@@ -71,7 +75,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
             llm.reset_prefix_cache()  # an empty vLLM cache: the hit is the store's
             store_hits.append(ttft(tokens))
             own_hits.append(ttft(tokens))
-        return min(store_hits, key=lambda run: run[0]), min(own_hits, key=lambda run: run[0])
+        return fastest(store_hits), fastest(own_hits)
 
     def audit_in_turns(tokens: list[int], repeats: int) -> dict[str, Any]:
         """This engine's store hits, audited and not, in pairs (the order alternating) by switching
@@ -86,8 +90,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
             ratios.append(runs[True][-1][0] / runs[False][-1][0])
             own.append(ttft(tokens))
         audits.rate = rate
-        best = lambda hits: min(hits, key=lambda run: run[0])  # noqa: E731
-        return {"hit": best(runs[True]), "unaudited_hit": best(runs[False]), "own_hit": best(own),
+        return {"hit": fastest(runs[True]), "unaudited_hit": fastest(runs[False]), "own_hit": fastest(own),
                 "audited_vs_unaudited": statistics.median(ratios), "pair_ratios": ratios}
 
     # Warm-up, a prompt no row uses: the first batches pay one-time costs (oneDNN primitives,
@@ -98,7 +101,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
         tokens, row = prompt(size), {}
         if job["plan"] == "baseline":
             row["full"] = ttft(tokens)
-            row["vllm_hit"] = min((ttft(tokens) for _ in range(job["repeats"])), key=lambda run: run[0])
+            row["vllm_hit"] = fastest(ttft(tokens) for _ in range(job["repeats"]))
         elif job["plan"] == "audit_in_turns":
             row["miss"] = ttft(tokens)
             row.update(audit_in_turns(tokens, job["repeats"]))
@@ -109,7 +112,7 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
             row["hit"] = ttft(tokens)
             if job["repeats"] > 1 and job["plan"] == "hit_repeat":
                 again, row["own_hit"] = best_hit(tokens, job["repeats"] - 1)
-                row["hit"] = min([row["hit"], again], key=lambda run: run[0])
+                row["hit"] = fastest([row["hit"], again])
         result["rows"][str(size)] = row
     if job.get("decode_tokens"):
         runs = []
@@ -288,19 +291,13 @@ def summarize(results: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]
         for name, label in (("inproc", "in-process store, nothing to hit"), ("shm", "sidecar, nothing to hit")):
             miss, cached, spent = results[name]["rows"][key]["miss"]
             rows.append(dict(size=size, case=label, ttft_s=miss, cached=cached, connector_s=spent))
-        for name, label in (("inproc", "kvstore hit: in-process CPU tier"),
-                            ("shm", "kvstore hit: sidecar, shared memory"), ("tcp", "kvstore hit: sidecar, TCP"),
-                            ("disk", "kvstore hit: disk tier after restart")):
+        for name, label in HITS + ((("audit", "kvstore hit: in-process, audited"),) if "audit" in results else ()):
             hit, cached, spent = results[name]["rows"][key]["hit"]
             own = results[name]["rows"][key].get("own_hit")
             rows.append(dict(size=size, case=label, ttft_s=hit, cached=cached, connector_s=spent,
                              vs_own_hit=hit / own[0] if own else None))
-        if "audit" in results:
-            hit, cached, spent = results["audit"]["rows"][key]["hit"]
-            own = results["audit"]["rows"][key]["own_hit"]
-            rows.append(dict(size=size, case="kvstore hit: in-process, audited", ttft_s=hit, cached=cached,
-                             connector_s=spent, vs_own_hit=hit / own[0],
-                             vs_unaudited_hit=results["audit"]["rows"][key]["audited_vs_unaudited"]))
+            if name == "audit":
+                rows[-1]["vs_unaudited_hit"] = results["audit"]["rows"][key]["audited_vs_unaudited"]
         for row in rows[-8 - ("audit" in results):]:
             row["vs_full"] = row["ttft_s"] / full
             row["vs_vllm_hit"] = row["ttft_s"] / vllm_hit

@@ -11,10 +11,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from bench.engines import BLOCK, greedy, make_engine
 from bench.reliability.audit import full_kv, plant, real_model, real_text
 from kvstore.config import StoreConfig
 
-BLOCK = 32  # vLLM's CPU attention wants multiples of 32
 NEW_TOKENS = 8
 VLLM_FAULTS = ("slot-bytes", "weights-1.01", "k-no-rope", "scatter-heads-permuted", "collision")
 
@@ -47,16 +47,11 @@ class VllmAuditReport:
 @contextmanager
 def _engine(dtype: str, extra: dict[str, Any]) -> Iterator[Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
     from kvstore.decode.model_pull import pull
 
     per_token = 30 * 2 * 3 * 64 * (4 if dtype == "float32" else 2)
-    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
-                                kv_connector_module_path="kvstore.integrations.vllm", kv_connector_extra_config=extra)
-    llm = LLM(str(pull("smollm2")), kv_transfer_config=transfer, dtype=dtype, block_size=BLOCK, enforce_eager=True,
-              max_model_len=1024, enable_prefix_caching=False, kv_cache_memory_bytes=96 * BLOCK * per_token)
+    job = dict(model=str(pull("smollm2")), max_model_len=1024, kv_cache_bytes=96 * BLOCK * per_token, extra=extra)
+    llm = make_engine(job, dtype=dtype, enable_prefix_caching=False)
     try:
         yield llm
     finally:
@@ -64,11 +59,7 @@ def _engine(dtype: str, extra: dict[str, Any]) -> Iterator[Any]:
 
 
 def _ask(llm: Any, ids: list[int]) -> list[int]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return list(llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0].token_ids)
+    return list(greedy(llm, [ids], NEW_TOKENS)[0].outputs[0].token_ids)
 
 
 @contextmanager
