@@ -123,6 +123,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def check_fetch(got: Any, kv: torch.Tensor, where: str) -> None:
+    """A fetch's answer must be all of `kv`, bit for bit: else the run stops, saying `where`."""
+    if got.matched_tokens != kv.shape[2] or not same_bytes(got.kv, kv):
+        raise SystemExit(f"{where} fetch did not return the stored KV")
+
+
 def flat_bytes(kv: torch.Tensor) -> np.ndarray:
     return kv.contiguous().view(torch.uint8).reshape(-1).numpy()
 
@@ -149,14 +155,15 @@ def store_case(path: str, model: str, kv: torch.Tensor, store: Callable[..., Any
                 prepare=lambda n: pending.extend(tokens.take(kv.shape[2]) for _ in range(n)), **fields)
 
 
-def fill(store_fn: Callable[[list[int]], Any], tier_bytes: Callable[[], int], capacity: int, nbytes: int,
-         tokens: TokenSource, n_tokens: int) -> None:
-    """Store new values until the tier is full: a long-running store's memory is all touched and
-    every store evicts, which is what a store costs in steady state."""
+def fill(backend: Any, model: str, kv: torch.Tensor, tokens: TokenSource) -> None:
+    """Store `kv` under new tokens until `backend`'s (a store's or a client's) CPU tier is full: a
+    long-running store's memory is all touched and every store evicts, which is what a store costs
+    in steady state."""
+    capacity, nbytes = backend.stats()["tiers"]["cpu"]["capacity_bytes"], kv.numel() * kv.element_size()
     for _ in range(capacity // nbytes + 4):
-        if tier_bytes() >= capacity - nbytes:
+        if backend.stats()["tiers"]["cpu"]["bytes"] >= capacity - nbytes:
             break
-        store_fn(tokens.take(n_tokens))
+        backend.store(model, tokens.take(kv.shape[2]), kv)
 
 
 # ---- in-process ----------------------------------------------------------------------------
@@ -185,9 +192,7 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
         for prompt, kv in zip(prompts, kvs):
             fetch_store.store(model[spec], prompt, kv)
         m = model[spec]
-        got = fetch_store.fetch(m, prompts[0])
-        if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[0]):
-            raise SystemExit(f"in-process fetch of {size_name(nbytes)} did not return the stored KV")
+        check_fetch(fetch_store.fetch(m, prompts[0]), kvs[0], f"in-process {size_name(nbytes)}")
         into = torch.ones(nbytes, dtype=torch.uint8)  # faulted in
         into_np = into.numpy()
         got = fetch_store.fetch(m, prompts[0], into=into)
@@ -208,8 +213,7 @@ def in_process_cases(big_mib: int, tmp: Path, tokens: TokenSource) -> tuple[list
                               note="into= a preallocated flat uint8 tensor", block=block))
         if nbytes <= 2 * MIB:
             s = store_stores[spec]
-            fill(lambda p, m=m, kv=kvs[0], s=s: s.store(m, p, kv), lambda s=s: s.stats()["tiers"]["cpu"]["bytes"],
-                 64 * MIB, nbytes, tokens, n_tokens)
+            fill(s, m, kvs[0], tokens)
             cases.append(store_case("in-process", m, kvs[0], s.store, values, tokens, block=block,
                                     targets=[Target("dict", "cost", 4.0)] if nbytes == 64 * KIB else []))
     return cases, [fetch_store, *store_stores.values()]
@@ -235,10 +239,8 @@ def disk_cases(tmp: Path, tokens: TokenSource) -> tuple[list[Case], list[Any]]:
         for prompt, kv in zip(prompts, kvs):
             store.store("m", prompt, kv)
         store.flush()
-        for i, prompt in enumerate(prompts):  # one pass: every value's records in the OS page cache
-            got = store.fetch("m", prompt)
-            if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[i]):
-                raise SystemExit(f"{path} fetch did not return the stored KV")
+        for prompt, kv in zip(prompts, kvs):  # one pass: every value's records in the OS page cache
+            check_fetch(store.fetch("m", prompt), kv, path)
         before = dict(store.stats()["tiers"]["disk"])
         calls = [0]
 
@@ -293,19 +295,14 @@ def sidecar_cases(fetch_url: str, store_urls: dict[int, str], tokens: TokenSourc
         store_url = store_urls[nbytes]
         with KVStoreClient(store_url) as admin:
             admin.register_model(model, spec)
-            capacity = admin.stats()["tiers"]["cpu"]["capacity_bytes"]
-            fill(lambda p: admin.store(model, p, kvs[0]), lambda: admin.stats()["tiers"]["cpu"]["bytes"],
-                 capacity, nbytes, tokens, n_tokens)
+            fill(admin, model, kvs[0], tokens)
         redis_get, redis_set = redis_ops(redis_clients, nbytes, count, values)
         for transport in ("shm", "tcp"):
             shm_bytes = None if transport == "shm" else 0
             fetch_client = KVStoreClient(fetch_url, shared_memory_bytes=shm_bytes)
             store_client = KVStoreClient(store_url, shared_memory_bytes=shm_bytes)
             clients += [fetch_client, store_client]
-            got = fetch_client.fetch(model, prompts[0])
-            if got.matched_tokens != n_tokens or not same_bytes(got.kv, kvs[0]):
-                raise SystemExit(f"sidecar {transport} fetch of {size_name(nbytes)} did not return the stored KV")
-            del got
+            check_fetch(fetch_client.fetch(model, prompts[0]), kvs[0], f"sidecar {transport} {size_name(nbytes)}")
             path = f"sidecar {transport}"
             fetch_targets = []
             if redis_get and nbytes == 64 * KIB:

@@ -27,7 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore import KVStore, StoreConfig  # noqa: E402
-from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, close_all, fill, same_bytes,  # noqa: E402
+from bench.ops import (KIB, MIB, SPEC_512K, SPEC_64K, TokenSource, check_fetch, close_all, fill,  # noqa: E402
                        size_name, start_sidecar)
 from bench.engines import run_on_site  # noqa: E402
 from bench.report import markdown_table, parser as bench_parser, write_json  # noqa: E402
@@ -302,10 +302,7 @@ def fetch_case(prestore: Callable[[list[int]], Any], fetch: Callable[[list[int]]
         prompts.extend(tokens.take(n_tokens) for _ in range(count))
         for p in prompts:
             prestore(p)
-    got = fetch(prompts[0])
-    if got.matched_tokens != n_tokens or not same_bytes(got.kv, kv):
-        raise SystemExit(f"{where} fetch did not return the stored KV")
-    del got
+    check_fetch(fetch(prompts[0]), kv, where)
     out = run(lambda i: fetch(prompts[i % count]))
     if fetch(prompts[-1]).matched_tokens != n_tokens:
         raise SystemExit(f"{where} fetch missed")
@@ -316,8 +313,7 @@ def in_process_todo(spec, nbytes, count, n_tokens, kv, tokens, calls, closers) -
     store = KVStore(StoreConfig(data_dir=None, disk_bytes=0, cpu_bytes=TIER_BYTES))
     closers.append(store)
     store.register_model("m", spec)
-    fill(lambda p: store.store("m", p, kv), lambda: store.stats()["tiers"]["cpu"]["bytes"], TIER_BYTES, nbytes,
-         tokens, n_tokens)
+    fill(store, "m", kv, tokens)
     prompts: list[list[int]] = []
     stored = [tokens.take(n_tokens) for _ in range(4 * calls + 64)]
 
@@ -345,8 +341,7 @@ def sidecar_todo(tmp, spec, nbytes, count, n_tokens, kv, tokens, calls, closers,
     admin = KVStoreClient(url)
     closers.append(admin)
     admin.register_model("m", spec)
-    fill(lambda p: admin.store("m", p, kv), lambda: admin.stats()["tiers"]["cpu"]["bytes"], TIER_BYTES, nbytes,
-         tokens, n_tokens)
+    fill(admin, "m", kv, tokens)
     prompts: list[list[int]] = []
     label = size_name(nbytes)
     stores, fetches = [], []  # every store case first: they evict, and the fetches must all hit
