@@ -175,9 +175,9 @@ def _run_workers(backends: list[Any], universe: Universe, ops: int, seed: int, p
 
 
 def _report(path: str, capacity: str, threads: int, logs: list[OpLog], errors: _Errors, universe: Universe,
-            stats: dict | None, began: float, *, read_your_writes: bool) -> ConcurrencyReport:
+            stats: dict | None, began: float) -> ConcurrencyReport:
     h = History.of(logs)
-    verdict = check_history(h, universe, nothing_evicted=read_your_writes)
+    verdict = check_history(h, universe, nothing_evicted=capacity == "nothing evicted")  # read-your-writes
     report = ConcurrencyReport(path, capacity, threads, ops=len(h), checked=int((h.result >= 0).sum()),
                                by_kind={name: h.count(kind) for kind, name in
                                         ((STORE, "stores"), (FETCH, "fetches"), (LOOKUP, "lookups"), (DROP, "drops"))},
@@ -202,8 +202,7 @@ def run_in_process(data_dir: Path, *, ops: int, capacity: str, threads: int = 8,
             store.register_model(name, SPEC)
         logs, errors = _run_workers([store] * threads, universe, ops, seed, p_drop)
         stats = store.stats()
-    return _report("in-process", capacity, threads, logs, errors, universe, stats, began,
-                   read_your_writes=capacity == "nothing evicted")
+    return _report("in-process", capacity, threads, logs, errors, universe, stats, began)
 
 
 def run_sidecar(data_dir: Path, *, ops: int, capacity: str, clients: int = 8, seed: int = 0,
@@ -224,8 +223,7 @@ def run_sidecar(data_dir: Path, *, ops: int, capacity: str, clients: int = 8, se
             stats = admin.stats()
     finally:
         sidecar.stop()
-    return _report("sidecar (shared memory + TCP)", capacity, clients, logs, errors, universe, stats, began,
-                   read_your_writes=capacity == "nothing evicted")
+    return _report("sidecar (shared memory + TCP)", capacity, clients, logs, errors, universe, stats, began)
 
 
 def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed: int = 0,
@@ -285,7 +283,7 @@ def run_restarts(data_dir: Path, *, ops: int, kills: int, clients: int = 8, seed
     finally:
         sidecar.kill()
     report = _report("sidecar, write-through, killed and restarted", "nothing evicted", clients, logs, errors,
-                     universe, None, began, read_your_writes=True)
+                     universe, None, began)
     report.kills = killed
     if kill_ns:
         h = History.of(logs)

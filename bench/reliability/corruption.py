@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lmdb
-import torch
 
-from bench.reliability.pages import SPEC, expected_kv
+from bench.reliability.pages import SPEC, expected_kv, served_wrong
 from kvstore import KVStore, StoreConfig
 from kvstore.api.server.metrics import Metrics
 
@@ -65,10 +64,7 @@ def _fetch_all(store: KVStore, stored: list[list[int]], report: CorruptionReport
         report.fetches += 1
         report.stored_tokens += len(tokens)
         report.served_tokens += result.matched_tokens
-        if result.matched_tokens > len(tokens) or (
-                result.matched_tokens
-                and not torch.equal(result.kv, expected_kv(SPEC, tokens[:result.matched_tokens]))):
-            report.wrong_kv += 1
+        report.wrong_kv += result.matched_tokens > len(tokens) or served_wrong(SPEC, tokens, result)
 
 
 def _corrupt_metric(store: KVStore) -> int:
@@ -92,8 +88,7 @@ def _serve_damaged(data_dir: str, stored: list[list[int]], fresh: int) -> Corrup
             store.store("m", tokens, expected_kv(SPEC, tokens))
             result = store.fetch("m", tokens)
             report.stored_after += 1
-            if result.matched_tokens != len(tokens) or not torch.equal(result.kv, expected_kv(SPEC, tokens)):
-                report.stored_after_wrong += 1
+            report.stored_after_wrong += result.matched_tokens != len(tokens) or served_wrong(SPEC, tokens, result)
         report.corrupt_counted = _corrupt_metric(store)
     return report
 

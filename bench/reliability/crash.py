@@ -10,10 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from kvstore.api.client import KVStoreClient
-from bench.reliability.pages import SPEC, expected_kv
+from bench.reliability.pages import SPEC, expected_kv, served_wrong
 from bench.engines import Sidecar, serve_args
 from kvstore.errors import BackendUnavailable, KVStoreError
 
@@ -80,7 +78,7 @@ def _check(client: KVStoreClient, report: CrashReport, load: _Load, old: list[li
         report.checked_sequences += 1
         if result.matched_tokens > len(tokens):
             report.over_served += 1
-        elif result.matched_tokens and not torch.equal(result.kv, expected_kv(SPEC, tokens[:result.matched_tokens])):
+        elif served_wrong(SPEC, tokens, result):
             report.wrong_kv += 1
         if must_have and result.matched_tokens < len(tokens):
             report.lost_acked += 1

@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from kvstore.api.client import KVStoreClient
-from bench.reliability.pages import SPEC, expected_kv
+from bench.reliability.pages import SPEC, expected_kv, served_wrong
 from bench.engines import Sidecar, serve_args
 from kvstore.errors import InsufficientStorage, KVStoreError
 
@@ -78,10 +76,7 @@ def run_full_disk(work: Path, *, sequences: int = 800, durability: str = "write-
                 # (a write-through store answered 507 still caches its pages in memory)
                 report.newest_from_cpu = client.lookup("m", tokens).tiers.get("cpu", 0) == 64
                 for tokens in stored:
-                    result = client.fetch("m", tokens)
-                    matched = tokens[:result.matched_tokens]
-                    if result.matched_tokens and not torch.equal(result.kv, expected_kv(SPEC, matched)):
-                        report.wrong_kv += 1
+                    report.wrong_kv += served_wrong(SPEC, tokens, client.fetch("m", tokens))
                 stats = client.stats()
                 report.disk_pages = stats["tiers"]["disk"]["pages"]
                 report.disk_evictions = stats["tiers"]["disk"]["evictions"]

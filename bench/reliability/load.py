@@ -11,10 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from kvstore.api.client import KVStoreClient
-from bench.reliability.pages import expected_kv
+from bench.reliability.pages import expected_kv, served_wrong
 from bench.engines import Sidecar, serve_args
 from kvstore import ModelSpec
 from kvstore.errors import BackendUnavailable, KVStoreError
@@ -109,10 +107,7 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, report: Load
                 elif op == "lookup":
                     client.lookup(model, tokens)
                 else:
-                    result = client.fetch(model, tokens)
-                    if result.matched_tokens and not torch.equal(
-                            result.kv, expected_kv(MODELS[model], tokens[:result.matched_tokens])):
-                        wrong += 1
+                    wrong += served_wrong(MODELS[model], tokens, client.fetch(model, tokens))
             except BackendUnavailable:
                 errors += 1
             except KVStoreError as exc:

@@ -6,6 +6,8 @@ other sequence has. Values are small exact float16 numbers (no NaN: bit-exact co
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -25,3 +27,9 @@ def expected_kv(spec: ModelSpec, tokens: list[int] | np.ndarray) -> torch.Tensor
     dtype = {"float16": np.float16, "bfloat16": np.float32, "float32": np.float32}[spec.dtype]
     kv = torch.from_numpy((x / 256.0).astype(dtype))
     return kv.to(torch.bfloat16) if spec.dtype == "bfloat16" else kv
+
+
+def served_wrong(spec: ModelSpec, tokens: list[int], result: Any) -> bool:
+    """Whether a fetch of `tokens` (its `result`) served KV that is not theirs; a short match is not wrong."""
+    n = result.matched_tokens
+    return bool(n) and not torch.equal(result.kv, expected_kv(spec, tokens[:n]))
