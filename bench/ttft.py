@@ -22,6 +22,7 @@ from tqdm import tqdm
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an older kvstore there wins
 
 from bench.engines import Sidecar, serve_args  # noqa: E402
+from bench.prompts import documentation_sections  # noqa: E402
 from bench.report import parser as bench_parser, write_json  # noqa: E402
 from kvstore.decode import LlamaArch, LlamaModel, generate, load_model, tiny_model  # noqa: E402
 from kvstore.api.client import KVStoreClient  # noqa: E402
@@ -61,9 +62,7 @@ class Prompts:
         self.vocab_size = model.arch.vocab_size
         self.text_ids: list[int] = []
         if model.tokenizer is not None:
-            from pydoc_data.topics import topics
-
-            self.text_ids = model.tokenizer.encode("\n\n".join(topics[k].strip() for k in sorted(topics)))
+            self.text_ids = model.tokenizer.encode("\n\n".join(s.strip() for s in documentation_sections()))
 
     def take(self, n: int) -> list[int]:
         if not self.text_ids:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from bench.prompts import documentation_sections
 from kvstore.config import StoreConfig
 from kvstore.decode import LlamaModel, generate, load_model
 from kvstore.decode.attention import AttentionContext
@@ -35,10 +36,8 @@ def real_model(dtype: str) -> LlamaModel:
 def real_text(model: LlamaModel, max_chars: int | None = None) -> list[int]:
     """Python's language reference as token ids: real English prose and code (its first
     `max_chars` characters: tokenizing all of it takes a while)."""
-    from pydoc_data.topics import topics
-
     assert model.tokenizer is not None
-    return model.tokenizer.encode("\n\n".join(topics[k].strip() for k in sorted(topics))[:max_chars])
+    return model.tokenizer.encode("\n\n".join(s.strip() for s in documentation_sections())[:max_chars])
 
 
 def text_piece(text: list[int], rng: random.Random, low: int, high: int) -> list[int]:
