@@ -4,8 +4,6 @@
     python -m bench.profiling breakdown [--quick] [--paths in-process,sidecar] [--json FILE] [--before-site DIR]
     python -m bench.profiling instructions [--before-site OLD_SITE]
     python -m bench.profiling floor [--rounds 5] [--seconds 0.4] [--json FILE]
-    python -m bench.profiling body-depth
-    python -m bench.profiling lmdb-checks [--gib 1]
 """
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ import importlib
 import sys
 
 # subcommand -> module of bench.profiling whose `main(argv) -> int` answers it
-COMMANDS = {"breakdown": "breakdown", "instructions": "instructions", "floor": "floor",
-            "body-depth": "body_depth", "lmdb-checks": "lmdb_checks"}
+COMMANDS = {"breakdown": "breakdown", "instructions": "instructions", "floor": "floor"}
 
 
 def main(argv: list[str] | None = None) -> int:

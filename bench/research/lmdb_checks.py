@@ -2,7 +2,7 @@
 tiers/disk_open.py: the structural verifier and walk in a child) for several file shapes, and at
 every read (the alternative: each value's address checked against the map) beside plain `txn.get`.
 
-    python -m bench.profiling lmdb-checks [--gib 1]
+    python bench/research/lmdb_checks.py [--gib 1]
 
 Figures: docs/reliability.md, "The disk tier's start check, and the per-read alternative".
 """

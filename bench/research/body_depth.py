@@ -1,7 +1,7 @@
 """What refusing deep nesting costs a normal request body: the whole JSON or msgpack decode and the
 depth check alone, in the same run (µs per body); docs/reliability.md, "Refusing deep nesting".
 
-    python -m bench.profiling body-depth
+    python bench/research/body_depth.py
 """
 from __future__ import annotations
 
