@@ -119,8 +119,9 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
         for i in range(2):
             first = ttft(prompt(512, salt=10 + i))[0]
             whole = ttft(prompt(512, salt=20 + i), max_tokens=job["decode_tokens"])[0]
-            runs.append((job["decode_tokens"] - 1) / max(whole - first, 1e-9))
-        result["decode_tokens_per_s"] = max(runs)
+            if whole > first:  # else prefill noise hides the decode: too few --decode-tokens to time
+                runs.append((job["decode_tokens"] - 1) / (whole - first))
+        result["decode_tokens_per_s"] = max(runs, default=None)
         if job["extra"] is not None:
             # The connector's own time by its hooks' timers: on a shared host this resolves a
             # fraction of a per cent, where two engines' tokens/s do not.
@@ -129,8 +130,8 @@ def engine_main(job: dict[str, Any]) -> dict[str, Any]:
             whole_s, whole_hooks_s = ttft(prompt(512, salt=31), max_tokens=job["decode_tokens"])[0], hooks.take()
             steps = job["decode_tokens"] - 1
             result["connector_share_of_prefill"] = prefill_hooks_s / prefill_s
-            result["connector_share_of_decode_step"] = (whole_hooks_s - prefill_hooks_s) / max(whole_s - prefill_s,
-                                                                                               1e-9)
+            result["connector_share_of_decode_step"] = ((whole_hooks_s - prefill_hooks_s) / (whole_s - prefill_s)
+                                                        if whole_s > prefill_s else None)  # as above: unresolved
             result["connector_us_per_decode_step"] = (whole_hooks_s - prefill_hooks_s) / steps * 1e6
     if job["extra"] is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -318,7 +319,8 @@ def judge_targets(table: list[dict[str, Any]], results: dict[str, Any]) -> list[
                "hit_vs_full_from_2k": [v for case in MEMORY_HITS for v in values(case, "vs_full", from_2k)],
                "tcp_hit_vs_own_hit_2k": values("kvstore hit: sidecar, TCP", "vs_own_hit", {2048}),
                "miss_work_share_of_prefill": misses,
-               "hooks_share_of_decode_step": [results["inproc"]["connector_share_of_decode_step"]],
+               "hooks_share_of_decode_step": [x for x in [results["inproc"]["connector_share_of_decode_step"]]
+                                              if x is not None],
                "audited_hit_vs_hit_2k": values("kvstore hit: in-process, audited", "vs_unaudited_hit", {2048})}
     return [dict(target=name, limit=limit, values=figures[name], met=all(v <= limit for v in figures[name]))
             for name, limit in TARGETS.items() if figures[name]]
@@ -341,10 +343,13 @@ def print_table(table: list[dict[str, Any]], results: dict[str, Any]) -> None:
               f"(one engine, the median over pairs taken in turns): {ratios}")
     base, with_connector = results["baseline"]["decode_tokens_per_s"], results["inproc"]["decode_tokens_per_s"]
     inproc = results["inproc"]
-    print(f"decode tokens/s: no connector {base:.1f}, connector on (nothing to hit) {with_connector:.1f} "
-          f"({with_connector / base:.3f}x, two engines); the connector's hooks by their timers: "
-          f"{inproc['connector_us_per_decode_step']:.0f} us = {inproc['connector_share_of_decode_step']:.2%} of a "
-          f"decode step, {inproc['connector_share_of_prefill']:.2%} of a 512-token prefill")
+    if base is None or with_connector is None or inproc["connector_share_of_decode_step"] is None:
+        print("decode tokens/s: not resolved (a decode shorter than the prefill's noise); give more --decode-tokens")
+    else:
+        print(f"decode tokens/s: no connector {base:.1f}, connector on (nothing to hit) {with_connector:.1f} "
+              f"({with_connector / base:.3f}x, two engines); the connector's hooks by their timers: "
+              f"{inproc['connector_us_per_decode_step']:.0f} us = {inproc['connector_share_of_decode_step']:.2%} "
+              f"of a decode step, {inproc['connector_share_of_prefill']:.2%} of a 512-token prefill")
     for size in sorted({row["size"] for row in table}):
         full = next(r for r in table if r["size"] == size and r["case"].startswith("full"))
         for case in ("in-process store, nothing to hit", "sidecar, nothing to hit"):

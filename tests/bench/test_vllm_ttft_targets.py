@@ -46,3 +46,7 @@ def test_targets_met_and_missed() -> None:
     results["inproc"]["connector_share_of_prefill"] = 0.04
     hooks = {c["target"]: c["met"] for c in vllm_ttft.judge_targets(table(1.15, 0.005), results)}
     assert hooks["miss_work_share_of_prefill"] is False
+    # A decode too short to time against the prefill's noise has no hooks figure: not judged, not met.
+    results["inproc"]["connector_share_of_decode_step"] = None
+    assert "hooks_share_of_decode_step" not in {c["target"] for c in vllm_ttft.judge_targets(table(1.15, 0.005),
+                                                                                           results)}
