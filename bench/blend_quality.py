@@ -412,12 +412,13 @@ def print_table(quality: dict[str, Any] | None, ttft: list[dict[str, Any]] | Non
         for s in v.values():
             bold = "**" if s["rule"] == "rule" and s["ratio"] == TARGET_RATIO else ""
             label = LABELS.get(s["rule"], s["rule"])
-            rows.append([f"{s['ratio']:g}", f"{bold}{label}{bold}", f"{bold}{s['kl']:.4f}{bold}",
+            rows.append([f"{s['ratio']:g}", f"{bold}{label}{bold}", f"{s['layer_work']:.3f}",
+                         f"{bold}{s['kl']:.4f}{bold}",
                          f"{s['kl'] / r0['kl']:.3f}" if r0 and r0["kl"] else "–",
                          f"{s['kl'] / better['kl']:.2f}" if better and s["ratio"] == TARGET_RATIO else "–",
                          f"{s['top1']:.1%}", f"{s['greedy8'] * 8:.2f}", f"{s['exact']:.0%}",
                          "–" if s["needle"] is None else f"{s['needle']:.1%}"])
-        print(markdown_table(["r", "tokens picked by", "mean KL vs full", "× r = 0", "× better control",
+        print(markdown_table(["r", "tokens picked by", "work", "mean KL vs full", "× r = 0", "× better control",
                               "top-1 agreement", "greedy agreement, of 8", "exact answers", "needle prompts answered"],
                              rows))
         rule = f"rule@{TARGET_RATIO:g}"
@@ -594,7 +595,8 @@ def main(argv: list[str] | None = None,
         print(f"target {what}: {'met' if ok else 'not met'}")
     report["elapsed_s"] = time.perf_counter() - started
     print(f"torch threads {torch.get_num_threads()}; {report['elapsed_s']:.0f} s")
-    save(report)
+    if ttft or (quality and quality["prompts"] > len(done)):  # a complete file only printed stays as it is
+        save(report)
     if args.plot and (qualities := ({args.workload: quality} if quality else {}) | plot_with(args.plot_with)):
         plot(qualities, args.plot)
     return 0
