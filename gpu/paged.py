@@ -152,11 +152,21 @@ def _check_kv(kv: torch.Tensor, layout: PagedLayout, name: str) -> None:
 
 # --- CUDA kernels ------------------------------------------------------------------------------
 
-_ptr_tables: dict[tuple[int, ...], torch.Tensor] = {}  # page-pointer tables already on the device
+# Page-pointer tables already on the device: (device, addresses) -> (table, alignment in bytes).
+_ptr_tables: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
 
 
-def _page_ptr_table(cache: PagedKV, layout: PagedLayout) -> tuple[torch.Tensor, list[int], int]:
-    """(2L uint64 addresses on the device, the addresses, block stride in bytes)."""
+def _alignment(addrs: list[int], row_bytes: int) -> int:
+    """The largest copy width (COPY_WIDTHS) that every page address and the row length divide."""
+    common = row_bytes
+    for a in addrs:
+        common |= a
+    return next(w for w in COPY_WIDTHS if common % w == 0)
+
+
+def _page_ptr_table(cache: PagedKV, layout: PagedLayout, row_bytes: int) -> tuple[torch.Tensor, int, int]:
+    """(2L uint64 addresses on the device, block stride in bytes, the widest copy width they allow).
+    Made once per cache: a launch's host time is most of a small copy's (docs/performance.md)."""
     item = layout.dtype.itemsize
     page_elems = layout.page_size * layout.num_heads * layout.head_dim
     if layout.per_layer:
@@ -166,21 +176,27 @@ def _page_ptr_table(cache: PagedKV, layout: PagedLayout) -> tuple[torch.Tensor, 
                 raise ValueError(f"cache: per-layer tensor {i // 2} ({'kv'[i % 2]}) must be contiguous")
         addrs = [v.data_ptr() for v in views]
         stride = page_elems * item
+        key = (layout.device.index, row_bytes, *addrs)
     else:
         assert isinstance(cache, torch.Tensor)
         if not cache.is_contiguous():
             raise ValueError("cache: the (num_blocks, L, 2, P, H, D) tensor must be contiguous")
-        addrs = [cache.data_ptr() + lk * page_elems * item for lk in range(2 * layout.num_layers)]
+        base = cache.data_ptr()
         stride = 2 * layout.num_layers * page_elems * item
-    key = (layout.device.index, *addrs)
-    table = _ptr_tables.get(key)
-    if table is None:
+        # One tensor: its base, layer count and page size name every address.
+        key = (layout.device.index, row_bytes, base, layout.num_layers, page_elems * item)
+        addrs = []
+    entry = _ptr_tables.get(key)
+    if entry is None:
+        if not layout.per_layer:
+            addrs = [base + lk * page_elems * item for lk in range(2 * layout.num_layers)]
         if len(_ptr_tables) > 64:  # engines reuse a handful of caches; don't grow without bound
             _ptr_tables.clear()
         # Addresses are < 2**63 on every CUDA platform, so int64 holds them unchanged.
-        table = torch.tensor(addrs, dtype=torch.int64).to(layout.device)
-        _ptr_tables[key] = table
-    return table, addrs, stride
+        entry = (torch.tensor(addrs, dtype=torch.int64).to(layout.device), _alignment(addrs, row_bytes))
+        _ptr_tables[key] = entry
+    table, page_width = entry
+    return table, stride, page_width
 
 
 def _launch_copy(cache: PagedKV, layout: PagedLayout, ids: torch.Tensor, contig: torch.Tensor,
@@ -188,11 +204,11 @@ def _launch_copy(cache: PagedKV, layout: PagedLayout, ids: torch.Tensor, contig:
     T = contig.shape[2]
     if T == 0:
         return
-    table, addrs, stride_bytes = _page_ptr_table(cache, layout)
     row_bytes = layout.num_heads * layout.head_dim * layout.dtype.itemsize
+    table, stride_bytes, page_width = _page_ptr_table(cache, layout, row_bytes)
     # The widest vector that every row start divides: 16-byte copies reach full bandwidth.
-    width = next(w for w in COPY_WIDTHS
-                 if row_bytes % w == 0 and contig.data_ptr() % w == 0 and all(a % w == 0 for a in addrs))
+    contig_ptr = contig.data_ptr()
+    width = next(w for w in COPY_WIDTHS if w <= page_width and contig_ptr % w == 0)
     row_vecs = row_bytes // width
     tpr = min(_THREADS, 1 << (row_vecs - 1).bit_length())
     rpb = _THREADS // tpr

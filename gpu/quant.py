@@ -67,7 +67,10 @@ def quantize_ref(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
     _check_format(fmt)
     _check_kv_dtype(x.dtype, "x")
     xf = x.float()  # (..., D)
-    scale = bf16_round_up(xf.abs().amax(dim=-1) / QMAX[fmt])  # (...)
+    amax = xf.abs().amax(dim=-1)  # (...)
+    # Divide by a tensor, not a Python number: on CUDA torch turns `t / number` into `t * (1 /
+    # number)`, which is not IEEE division and moves some scales one bfloat16 step from the kernel's.
+    scale = bf16_round_up(amax / torch.full_like(amax, QMAX[fmt]))  # (...)
     s = scale.float().unsqueeze(-1)  # (..., 1)
     v = torch.where(s > 0, xf / s, torch.zeros((), dtype=torch.float32, device=x.device))
     if fmt == "int8":

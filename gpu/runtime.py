@@ -8,6 +8,7 @@ arguments; each kernel's wrapper (gpu/paged.py, gpu/quant.py, gpu/rope.py) does 
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -99,17 +100,56 @@ def _module(cupy: ModuleType, device_index: int) -> Any:
         return module
 
 
+# A launch's host time is most of a small page's copy (docs/performance.md, "GPU kernels"), so
+# what does not change between launches is looked up once: each kernel per device, and CuPy's
+# handle of each torch stream. Reads of these dicts need no lock (a race makes a duplicate entry
+# at worst); the handles keep no stream alive, they only name it.
+_kernels: dict[tuple[int, str], Any] = {}  # (device index, kernel name) -> compiled kernel
+_streams: dict[int, Any] = {}  # raw cudaStream_t -> CuPy stream object naming it
+_MAX_STREAMS = 256  # engines use a handful of streams; a long-lived process must not grow without bound
+
+
+def _kernel(device_index: int, name: str) -> Any:
+    kernel = _kernels.get((device_index, name))
+    if kernel is None:
+        kernel = _module(require_kernels(), device_index).get_function(name)
+        _kernels[(device_index, name)] = kernel
+    return kernel
+
+
+def _current_stream_ptr(device_index: int) -> int:
+    """The raw handle of torch's current stream on the device, without building a torch.Stream."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _stream(ptr: int) -> Any:
+    stream = _streams.get(ptr)
+    if stream is None:
+        cupy = require_kernels()
+        if len(_streams) >= _MAX_STREAMS:
+            _streams.clear()
+        # Stream.from_external (CuPy >= 14) wants an object with __cuda_stream__; ExternalStream,
+        # deprecated there, takes the raw handle in every CuPy this runs with.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(ptr)
+        _streams[ptr] = stream
+    return stream
+
+
 def launch(name: str, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...],
            args: tuple[Any, ...]) -> None:
     """Launch kernel `name` on `device`'s current torch stream. `args` must already be the C types
     the kernel declares (see `ptr`, `i32`, `i64`): CuPy packs Python scalars by their own type."""
-    cupy = require_kernels()
     assert device.type == "cuda" and device.index is not None, device
-    assert all(isinstance(a, (np.integer, np.floating)) for a in args), "cast kernel scalars to C types"
-    kernel = _module(cupy, device.index).get_function(name)
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        kernel(grid, block, args)
+    kernel = _kernel(device.index, name)
+    stream = _stream(_current_stream_ptr(device.index))
+    if torch.cuda.current_device() == device.index:
+        kernel(grid, block, args, stream=stream)
+    else:
+        with require_kernels().cuda.Device(device.index):
+            kernel(grid, block, args, stream=stream)
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

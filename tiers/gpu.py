@@ -102,14 +102,15 @@ class GPUTier(SlotBufferTier):
         super().close()
 
     # -- demotion across PCIe, on self.stream ----------------------------------------------------
-    def _page(self, key: bytes, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
+    def _page_bytes(self, key: bytes, spec: ModelSpec, num_tokens: int) -> torch.Tensor:
+        """The raw KV bytes of page `key` (n tokens) in its slot, uint8 on the device."""
         slot = self._slots.get(key)
         if slot is None:
             raise KeyError(f"gpu tier: no slot for key {key.hex()}")
         offset, size = slot
         nbytes = spec.bytes_per_token * num_tokens
         assert nbytes <= size, (nbytes, size)
-        return as_kv(spec, self.buffer[offset:offset + nbytes], num_tokens)  # (L, 2, n, H, D)
+        return self.buffer[offset:offset + nbytes]
 
     def copy_out(self, key: bytes, spec: ModelSpec, num_tokens: int, codec: Codec,
                  dst: torch.Tensor) -> torch.cuda.Event:
@@ -117,11 +118,14 @@ class GPUTier(SlotBufferTier):
         `codec` *on this GPU*, then copy the encoded bytes into `dst` (host uint8,
         `codec.encoded_bytes(spec, n)`; pinned for an async copy). Returns the event after which
         `dst` holds the page; `delete(key)` waits for it."""
-        kv = self._page(key, spec, num_tokens)
+        raw = self._page_bytes(key, spec, num_tokens)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the page's writes come first
         with torch.cuda.stream(self.stream):
-            staged = torch.empty(codec.encoded_bytes(spec, num_tokens), dtype=torch.uint8, device=self.device)
-            codec.encode(spec, kv, staged)
+            if codec.name == "none":  # raw KV is its own encoding: straight from the slot, no staging
+                staged = raw
+            else:
+                staged = torch.empty(codec.encoded_bytes(spec, num_tokens), dtype=torch.uint8, device=self.device)
+                codec.encode(spec, as_kv(spec, raw, num_tokens), staged)
             dst.copy_(staged, non_blocking=dst.is_pinned())
             event = torch.cuda.Event()
             event.record(self.stream)
