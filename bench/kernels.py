@@ -129,6 +129,39 @@ def device_rows(spec: ModelSpec, n: int, rows: Rows) -> None:
              device_copy_s(k.numel() * k.element_size()), "device copy")
 
 
+def page_moves(store: KVStore, spec: ModelSpec,
+               tokens: list[int]) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(demote, promote, back_on_gpu_only) for the pages of `tokens`, each held by the GPU tier
+    alone: every page evicted from the GPU tier, leaves first as the policies pick them; every page
+    promoted back from a fetch answer's host memory, as a hit does; and the undoing of `demote`.
+    Through the store's own placement and tier stack, under its lock."""
+    lock, placement, tiers = store._lock, store._placement, store._tiers
+    nodes = sorted((node for node in store._index.nodes.values() if node.parent is not None),
+                   key=lambda node: node.depth)
+    assert len(nodes) * spec.page_size == len(tokens) and all(set(node.tiers) == {"gpu"} for node in nodes)
+    answer = store.fetch("m", tokens).kv  # a hit's answer, host memory, as a fetch makes it
+    P = spec.page_size
+    views = [answer.numpy().view(NUMPY_DTYPES[spec.dtype])[:, :, i * P:(i + 1) * P] for i in range(len(nodes))]
+
+    def demote() -> None:
+        with lock:
+            for node in reversed(nodes):
+                placement.evict(node, "gpu")
+
+    def promote() -> None:
+        with lock:
+            for node, view in zip(nodes, views):
+                promote_page(placement, tiers, spec, node, view)
+
+    def back_on_gpu_only() -> None:
+        promote()
+        with lock:
+            for node in nodes:
+                placement.remove_from(node, "cpu")
+
+    return demote, promote, back_on_gpu_only
+
+
 def tier_rows(spec: ModelSpec, n: int, rows: Rows) -> None:
     """Demotion and promotion of `n` pages between the GPU and CPU tiers of a real store, through
     its placement and tier stack as an eviction and a hit run them (under the store's lock)."""
@@ -145,31 +178,9 @@ def tier_rows(spec: ModelSpec, n: int, rows: Rows) -> None:
                                     promote_on_hit=False))
         store.register_model("m", spec)
         store.store("m", tokens, kv)
-        lock, placement, tiers = store._lock, store._placement, store._tiers  # the store's own parts
-        nodes = sorted((node for node in store._index.nodes.values() if node.parent is not None),
-                       key=lambda node: node.depth)
-        assert len(nodes) == n and all(set(node.tiers) == {"gpu"} for node in nodes)
-        answer = store.fetch("m", tokens).kv  # a hit's answer, host memory, as a fetch makes it
-        views = [answer.numpy().view(NUMPY_DTYPES[spec.dtype])[:, :, i * P:(i + 1) * P] for i in range(n)]
-
-        def demote() -> None:  # leaves first, as the policies pick them
-            with lock:
-                for node in reversed(nodes):
-                    placement.evict(node, "gpu")
-
-        def promote() -> None:
-            with lock:
-                for node, view in zip(nodes, views):
-                    promote_page(placement, tiers, spec, node, view)
-
-        def back_on_gpu_only() -> None:
-            promote()
-            with lock:
-                for node in nodes:
-                    placement.remove_from(node, "cpu")
-
+        demote, promote, back_on_gpu_only = page_moves(store, spec, tokens)
         rows.add(f"demote_{codec}", pb, n, wall_time_s(demote, back_on_gpu_only), down_s, "pinned D2H copy")
-        assert all(set(node.tiers) == {"gpu"} for node in nodes)
+        assert store.lookup("m", tokens).tiers == {"gpu": len(tokens)}, "a page was left off the GPU tier"
         if codec == "none":  # a hit promotes raw KV whatever the CPU tier's codec: time it once
             demote()
             # Each page is held on the CPU too now: `demote` (eviction) drops only the GPU copy.

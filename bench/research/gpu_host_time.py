@@ -23,11 +23,11 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # after PYTHONPATH: a staged kvstore wins
 
+from bench.kernels import page_moves  # noqa: E402
 from kvstore import KVStore, ModelSpec, StoreConfig  # noqa: E402
 from kvstore.codecs import get_codec  # noqa: E402
 from kvstore.gpu import runtime  # noqa: E402
 from kvstore.gpu.paged import gather_pages  # noqa: E402
-from kvstore.page_moves import promote as promote_page  # noqa: E402
 from kvstore.tiers.gpu import GPUTier  # noqa: E402
 
 H, D, P = 8, 128, 16
@@ -146,29 +146,7 @@ def tier_profile(spec: ModelSpec, n: int) -> None:
                                 cpu_bytes=2 * n * pb + (1 << 20), disk_bytes=0, promote_on_hit=False))
     store.register_model("m", spec)
     store.store("m", tokens, kv)
-    lock, placement, tiers = store._lock, store._placement, store._tiers
-    nodes = sorted((node for node in store._index.nodes.values() if node.parent is not None),
-                   key=lambda node: node.depth)
-    answer = store.fetch("m", tokens).kv
-    from kvstore.gpu.dtypes import NUMPY_DTYPES
-    views = [answer.numpy().view(NUMPY_DTYPES[spec.dtype])[:, :, i * P:(i + 1) * P] for i in range(n)]
-
-    def demote() -> None:
-        with lock:
-            for node in reversed(nodes):
-                placement.evict(node, "gpu")
-
-    def promote() -> None:
-        with lock:
-            for node, view in zip(nodes, views):
-                promote_page(placement, tiers, spec, node, view)
-
-    def back_on_gpu_only() -> None:  # undoes `demote`: each page held by the GPU tier alone
-        promote()
-        with lock:
-            for node in nodes:
-                placement.remove_from(node, "cpu")
-
+    demote, promote, back_on_gpu_only = page_moves(store, spec, tokens)
     profile(f"demote {n} pages of {pb >> 10} KiB", demote, 30, reset=back_on_gpu_only)
     demote()
     profile(f"promote {n} pages of {pb >> 10} KiB", promote, 30, reset=demote)
