@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: the staged kvstore there wins
@@ -22,6 +23,7 @@ from kvstore.codecs import get_codec
 from kvstore.gpu import runtime
 from kvstore.gpu.dtypes import NUMPY_DTYPES
 from kvstore.gpu.paged import gather_pages, scatter_pages
+from kvstore.index import Node
 from kvstore.gpu.rope import rope_rerotate
 from kvstore.page_moves import promote as promote_page
 from kvstore.tiers.gpu import GPUTier
@@ -133,7 +135,8 @@ def page_moves(store: KVStore, spec: ModelSpec,
                tokens: list[int]) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
     """(demote, promote, back_on_gpu_only) for the pages of `tokens`, each held by the GPU tier
     alone: every page evicted from the GPU tier, leaves first as the policies pick them; every page
-    promoted back from a fetch answer's host memory, as a hit does; and the undoing of `demote`.
+    promoted back from what a hit's fetch hands over (the page's raw CPU slot, else its rows of the
+    fetch answer); and the undoing of `demote`.
     Through the store's own placement and tier stack, under its lock."""
     lock, placement, tiers = store._lock, store._placement, store._tiers
     nodes = sorted((node for node in store._index.nodes.values() if node.parent is not None),
@@ -142,6 +145,15 @@ def page_moves(store: KVStore, spec: ModelSpec,
     answer = store.fetch("m", tokens).kv  # a hit's answer, host memory, as a fetch makes it
     P = spec.page_size
     views = [answer.numpy().view(NUMPY_DTYPES[spec.dtype])[:, :, i * P:(i + 1) * P] for i in range(len(nodes))]
+    cpu, raw = tiers.slot_tiers.get("cpu"), tiers.raw_buffers.get("cpu")
+
+    def source(node: Node, view: np.ndarray) -> np.ndarray:
+        """What a fetch promotes from (FetchPlan._promoted_kv): the raw CPU slot, else the answer."""
+        slot = cpu.get(node.key) if cpu is not None and raw is not None else None
+        if slot is None:
+            return view
+        nbytes = spec.bytes_per_token * node.num_tokens
+        return raw[slot[0]:slot[0] + nbytes].view(NUMPY_DTYPES[spec.dtype]).reshape(spec.kv_shape(node.num_tokens))
 
     def demote() -> None:
         with lock:
@@ -151,7 +163,7 @@ def page_moves(store: KVStore, spec: ModelSpec,
     def promote() -> None:
         with lock:
             for node, view in zip(nodes, views):
-                promote_page(placement, tiers, spec, node, view)
+                promote_page(placement, tiers, spec, node, source(node, view))
 
     def back_on_gpu_only() -> None:
         promote()

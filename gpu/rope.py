@@ -150,7 +150,7 @@ def rope_rerotate(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, s
     if k.device.type != "cuda":
         raise ValueError(f"k: the CUDA kernel needs a CUDA tensor, got {k.device} (use rope_rerotate_ref)")
     T, H, D = k.shape[-3:]
-    freq = inv_freq(D, theta, rope_scaling).to(k.device)
+    freq = _device_freq(D, theta, rope_scaling, k.device)
     cos, sin = rope_cos_sin(_positions(delta, T, k.device, "delta"), freq)  # (T, D/2) each
     if out is None:
         out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (..., T, H, D)
@@ -177,6 +177,23 @@ def rope_rerotate(k: torch.Tensor, delta: int | torch.Tensor, *, theta: float, s
                         runtime.i32(T), runtime.i32(H), runtime.i32(D), runtime.ptr(cos), runtime.ptr(sin),
                         runtime.i32(int(style == "neox"))))
     return out
+
+
+# inv_freq on each device it was asked for: built on the CPU and copied over, which on a GPU costs
+# more host time than the rotation's own launch (docs/performance.md "GPU kernels").
+_device_freqs: dict[tuple[int, float, str, str], torch.Tensor] = {}
+
+
+def _device_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None,
+                 device: torch.device) -> torch.Tensor:
+    key = (head_dim, float(theta), repr(sorted((rope_scaling or {}).items())), str(device))
+    freq = _device_freqs.get(key)
+    if freq is None:
+        if len(_device_freqs) >= 64:  # a process serves a handful of models
+            _device_freqs.clear()
+        freq = inv_freq(head_dim, theta, rope_scaling).to(device)
+        _device_freqs[key] = freq
+    return freq
 
 
 def _batched(x: torch.Tensor) -> torch.Tensor | None:

@@ -148,7 +148,6 @@ def tier_profile(spec: ModelSpec, n: int) -> None:
     store.store("m", tokens, kv)
     demote, promote, back_on_gpu_only = page_moves(store, spec, tokens)
     profile(f"demote {n} pages of {pb >> 10} KiB", demote, 30, reset=back_on_gpu_only)
-    demote()
     profile(f"promote {n} pages of {pb >> 10} KiB", promote, 30, reset=demote)
     store.close()
 
