@@ -145,15 +145,12 @@ def page_moves(store: KVStore, spec: ModelSpec,
     answer = store.fetch("m", tokens).kv  # a hit's answer, host memory, as a fetch makes it
     P = spec.page_size
     views = [answer.numpy().view(NUMPY_DTYPES[spec.dtype])[:, :, i * P:(i + 1) * P] for i in range(len(nodes))]
-    cpu, raw = tiers.slot_tiers.get("cpu"), tiers.raw_buffers.get("cpu")
 
     def source(node: Node, view: np.ndarray) -> np.ndarray:
         """What a fetch promotes from (FetchPlan._promoted_kv): the raw CPU slot, else the answer."""
-        slot = cpu.get(node.key) if cpu is not None and raw is not None else None
-        if slot is None:
-            return view
-        nbytes = spec.bytes_per_token * node.num_tokens
-        return raw[slot[0]:slot[0] + nbytes].view(NUMPY_DTYPES[spec.dtype]).reshape(spec.kv_shape(node.num_tokens))
+        slot = tiers.slot("cpu", node.key)
+        raw = tiers.raw_page(spec, "cpu", slot, node.num_tokens) if slot is not None else None
+        return view if raw is None else raw
 
     def demote() -> None:
         with lock:

@@ -117,10 +117,15 @@ def _kernel(device_index: int, name: str) -> Any:
     return kernel
 
 
+# torch's raw current-stream query (what its own extensions call), where this torch build has it.
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream_ptr(device_index: int) -> int:
     """The raw handle of torch's current stream on the device, without building a torch.Stream."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+    if _raw_current_stream is not None:
+        return _raw_current_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _stream(ptr: int) -> Any:

@@ -159,25 +159,21 @@ class FetchPlan:
                 if page is not True:
                     copy_into(out[:, :, a:b], part.take(page)[:, :, lo - first:used])
             if tier != top and promote_on_hit and lo == first and (part.whole or page is not True):
-                promote.append((node, self._promoted_kv(node, used, tier, slot, page, raw_buffers, out, out_array,
-                                                        a, b)))
+                promote.append((node, self._promoted_kv(node, used, tier, slot, page, out, out_array, a, b)))
         return self.matched_tokens
 
     def _promoted_kv(self, node: Node, used: int, tier: str, slot: Slot | None, page: torch.Tensor | Literal[True],
-                     raw_buffers: dict[str, np.ndarray], out: torch.Tensor, out_array: np.ndarray | None,
-                     a: int, b: int) -> torch.Tensor | np.ndarray:
+                     out: torch.Tensor, out_array: np.ndarray | None, a: int, b: int) -> torch.Tensor | np.ndarray:
         """What a promoted page is copied from: decoded whole on its own; or, read whole from a
         raw host slot, that slot, pinned and contiguous, so a device top tier takes it in one DMA
         (the answer's rows are pageable and strided: docs/performance.md "GPU kernels"); else its
         tokens in the answer, whose numpy view a raw host top tier takes with one copy."""
         if page is not True:
             return page
-        buffer = raw_buffers.get(tier)
-        if buffer is not None and slot is not None and used == node.num_tokens:
-            spec = self.spec
-            offset = slot[0]
-            return buffer[offset:offset + spec.bytes_per_token * used].view(NUMPY_DTYPES[spec.dtype]) \
-                .reshape(spec.kv_shape(used))  # (L, 2, n, H, D)
+        if slot is not None and used == node.num_tokens:
+            raw = self.state.tiers.raw_page(self.spec, tier, slot, used)
+            if raw is not None:
+                return raw
         return out[:, :, a:b] if out_array is None else out_array[:, :, a:b]
 
     def _finish(self, promote: list[tuple[Node, torch.Tensor | np.ndarray]], lost: list[tuple[Node, str]],

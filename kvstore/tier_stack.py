@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvstore.codecs import Codec, get_codec
-from kvstore.gpu.dtypes import KV_DTYPES
+from kvstore.gpu.dtypes import KV_DTYPES, NUMPY_DTYPES
 from kvstore.config import CODECS as CODEC_NAMES
 from kvstore.config import ModelSpec, StoreConfig
 from kvstore.index import Node
@@ -103,6 +103,17 @@ class TierStack:
         """The slot holding page `key` in a slot tier; None in a record tier (read a record)."""
         holder = self.slot_tiers.get(tier)
         return holder.get(key) if holder is not None else None
+
+    def raw_page(self, spec: ModelSpec, tier: str, slot: Slot, num_tokens: int) -> np.ndarray | None:
+        """The page of `num_tokens` in `slot` of a raw host tier (`raw_buffers`) as a numpy view of
+        the slot itself, KV (L, 2, n, H, D) as gpu/dtypes.py NUMPY_DTYPES holds it; None for any
+        other tier."""
+        buffer = self.raw_buffers.get(tier)
+        if buffer is None:
+            return None
+        offset = slot[0]
+        return buffer[offset:offset + spec.bytes_per_token * num_tokens].view(NUMPY_DTYPES[spec.dtype]) \
+            .reshape(spec.kv_shape(num_tokens))
 
     def keeps_slots(self, tier: str) -> bool:
         return tier in self.slot_tiers
